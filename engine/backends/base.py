@@ -1,0 +1,116 @@
+"""The training-engine interface that every backend (FSDP2, Megatron) implements.
+
+One engine lives in each rank's worker process, after torch.distributed is initialised.
+The trainer only ever talks to this interface, so rollout, GRPO, checkpoints, resume,
+offload and memory reports work unchanged on every backend.
+
+Life cycle, per RL step (see engine/trainer/worker.py):
+
+    engine.onload()                          # params/optimizer back on device if offloaded
+    with engine.generation_model() as m:     # full (unsharded) HF-style causal LM for sampling
+        rollout = sampler.generate(m, ...)
+    lp = engine.compute_log_probs(batch)               # no grad, policy
+    rlp = engine.compute_log_probs(batch, ref=True)    # no grad, frozen reference
+    metrics = engine.train_step(mini_batch, loss_fn)   # micro-batched fwd/bwd, clip, step
+    engine.offload()                          # frees device memory between phases
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from engine.batch import SequenceBatch
+
+# loss_fn(log_probs [b, t], entropy [b, t] | None, micro_batch, n_tokens_global, n_seqs_global)
+#   -> (loss scalar already scaled for accumulation, metrics dict of floats)
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports back to the trainer."""
+
+    metrics: dict = field(default_factory=dict)
+    tokens: int = 0            # real (unpadded) tokens processed in forward+backward
+    padded_tokens: int = 0     # tokens including bucket padding
+    shapes: set = field(default_factory=set)
+
+
+@dataclass
+class OffloadReport:
+    """What an offload or onload moved, and what it freed."""
+
+    param_bytes: int = 0
+    grad_bytes_released: int = 0
+    optimizer_bytes: int = 0
+    fp8_workspaces_cleared: int = 0
+    fp8_workspace_bytes_freed: int = 0
+    note: str = ""
+
+
+class TrainEngine(ABC):
+    """A sharded policy (plus optional frozen reference) with its optimizer and schedule."""
+
+    #: the torch device this rank computes on
+    device: torch.device
+
+    @abstractmethod
+    def build(self) -> None:
+        """Create model(s), wrap them for parallelism, create optimizer and LR scheduler."""
+
+    # ---- forward / backward -------------------------------------------------------------
+    @abstractmethod
+    def compute_log_probs(self, batch: SequenceBatch, ref: bool = False,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log p(input_ids[:, t] | <t) as [B, T] (0 at t=0 and on padding), no grad."""
+
+    @abstractmethod
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> StepStats:
+        """Micro-batch ``batch`` (this rank's share of one mini-batch), accumulate grads,
+        all-reduce, clip, optimizer step, LR-scheduler step."""
+
+    # ---- rollout ------------------------------------------------------------------------
+    @abstractmethod
+    @contextmanager
+    def generation_model(self) -> Iterator[torch.nn.Module]:
+        """A full-weight causal LM (HF forward signature, KV cache) for sampling."""
+
+    @abstractmethod
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights under Hugging Face names (for vLLM sync and export)."""
+
+    # ---- memory -------------------------------------------------------------------------
+    @abstractmethod
+    def offload(self) -> OffloadReport:
+        """Move params (releasing grads) and/or optimizer state to host, as configured;
+        clear Transformer-Engine FP8 weight workspaces on every param offload."""
+
+    @abstractmethod
+    def onload(self) -> OffloadReport:
+        """Bring back whatever offload() moved."""
+
+    # ---- checkpoints --------------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_state(self) -> dict:
+        """DCP-saveable state: {"model": ..., "optim": ...} (sharded tensors/DTensors)."""
+
+    @abstractmethod
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Apply what DCP loaded into the structure returned by checkpoint_state()."""
+
+    @abstractmethod
+    def optimizer_coverage(self) -> dict[str, bool]:
+        """For every trainable parameter (by its checkpoint key): does the optimizer hold state."""
+
+    @property
+    @abstractmethod
+    def lr_scheduler(self):
+        """The torch LR scheduler (state_dict/load_state_dict)."""
+
+    def param_count(self) -> int:
+        return 0

@@ -1,0 +1,85 @@
+"""The tensors that flow through one RL step.
+
+A ``SequenceBatch`` is right-padded [B, T] token ids for prompt+response with masks; it is
+what rollout returns and what engines consume. Everything here is plain torch on CPU so it
+crosses Ray process boundaries cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    """B sequences, each prompt tokens then response tokens, right-padded to T.
+
+    input_ids        [B, T] long, pad where attention_mask == 0
+    attention_mask   [B, T] long, 1 for real tokens (prompt and response)
+    response_mask    [B, T] float, 1 on response tokens that count in the loss
+    prompt_lengths   [B] long
+    rollout_log_probs [B, T] float, log p(token_t | <t) from the sampler at position t (0 elsewhere)
+    advantages       [B, T] float (set by the algorithm)
+    old_log_probs / ref_log_probs [B, T] float (set before the update)
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_lengths: torch.Tensor
+    rollout_log_probs: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    old_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        return self.attention_mask.sum(-1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).long()
+
+    def tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def select(self, index) -> "SequenceBatch":
+        """Rows ``index`` (a list/tensor of ints or a slice), trimmed to their longest row."""
+        out = {name: getattr(self, name)[index] for name in self.tensor_fields()}
+        kept = SequenceBatch(**out, extras=dict(self.extras))
+        return kept.trim()
+
+    def trim(self) -> "SequenceBatch":
+        """Drop trailing columns that are padding in every row."""
+        if len(self) == 0:
+            return self
+        t = int(self.attention_mask.sum(-1).max())
+        for name in self.tensor_fields():
+            v = getattr(self, name)
+            if v.dim() == 2 and v.shape[1] > t:
+                setattr(self, name, v[:, :t].contiguous())
+        return self
+
+    @staticmethod
+    def concat(batches: list["SequenceBatch"], pad_token_id: int = 0) -> "SequenceBatch":
+        """Stack batches row-wise, right-padding each to the longest."""
+        t = max(int(b.input_ids.shape[1]) for b in batches)
+        names = [n for n in batches[0].tensor_fields()]
+        out = {}
+        for name in names:
+            parts = []
+            for b in batches:
+                v = getattr(b, name)
+                if v.dim() == 2 and v.shape[1] < t:
+                    pad_value = pad_token_id if name == "input_ids" else 0
+                    v = torch.nn.functional.pad(v, (0, t - v.shape[1]), value=pad_value)
+                parts.append(v)
+            out[name] = torch.cat(parts, 0)
+        return SequenceBatch(**out, extras=dict(batches[0].extras))

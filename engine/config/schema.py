@@ -1,0 +1,179 @@
+"""The run configuration: typed dataclasses, the single source of truth.
+
+YAML under ``configs/`` only sets values of these fields; validation, the generated
+reference (docs/config-reference.md) and shell completion all walk these classes.
+Every field carries a one-line help in ``metadata["help"]`` and, where it is bounded,
+a ``metadata["choices"]`` or ``metadata["min"]``/``["max"]`` that validation enforces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _f(default, help: str, **limits):
+    """A dataclass field with help text and optional validation limits."""
+    meta = {"help": help, **limits}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(40, "RL steps to run (each: rollout, reward, advantages, update)", min=1)
+    nprocs: int = _f(1, "training ranks (data-parallel x model-parallel), one Ray actor each", min=1)
+    device: str = _f("auto", "where ranks compute: auto picks cuda when available", choices=["auto", "cpu", "cuda"])
+    seed: int = _f(0, "seeds model init, data order and sampling on every rank")
+    val_freq: int = _f(0, "validate (greedy, held-out split) every N steps, plus before and after; 0 = off", min=0)
+    log_freq: int = _f(1, "print a step row every N steps", min=1)
+    ray_address: str = _f("", "Ray cluster to join (ray.init(address=...)); empty starts a local one on 127.0.0.1")
+    ray_timeout_s: float = _f(600.0, "seconds any single Ray call may take before the run is aborted", min=1.0)
+    threads_per_rank: int = _f(0, "torch intra-op threads per rank; 0 = CPU cores divided by nprocs", min=0)
+
+
+@dataclass
+class DataConfig:
+    train_batch_size: int = _f(16, "prompts per RL step (each sampled algorithm.rollout_n times)", min=1)
+    shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed and the epoch)")
+    max_prompt_length: int = _f(64, "prompts longer than this many tokens are rejected at load time", min=1)
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("echo", "built-in task, or jsonl/parquet for a prompt file",
+                   choices=["echo", "add", "arith", "jsonl", "parquet"])
+    path: str = _f("", "prompt file for name=jsonl|parquet (one object per row)")
+    reward_fn: str = _f("", "module:function scoring (prompt, response, answer) -> float; cwd is importable")
+    prompt_key: str = _f("prompt", "column holding the prompt text")
+    answer_key: str = _f("answer", "column holding the reference answer passed to the reward function")
+    num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1)
+    num_val: int = _f(64, "built-in tasks: number of held-out prompts", min=0)
+    chat_template: bool = _f(False, "wrap prompts in the tokenizer's chat template")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "local Hugging Face model directory; empty builds the tiny built-in model offline")
+    preset: str = _f("tiny", "named model preset (see configs/model/)")
+    hidden_size: int = _f(64, "tiny model: hidden size", min=8)
+    intermediate_size: int = _f(128, "tiny model: MLP size", min=8)
+    num_layers: int = _f(2, "tiny model: transformer layers", min=1)
+    num_attention_heads: int = _f(4, "tiny model: attention heads", min=1)
+    num_key_value_heads: int = _f(2, "tiny model: key/value heads (GQA)", min=1)
+    max_position_embeddings: int = _f(128, "tiny model: longest sequence", min=8)
+    tie_word_embeddings: bool = _f(False, "tiny model: share input and output embeddings")
+    attention_bias: bool = _f(False, "tiny model: q/k/v bias (Qwen2-style)")
+    dtype: str = _f("float32", "parameter dtype for training", choices=["float32", "bfloat16"])
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-3, "peak learning rate (AdamW)", min=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
+    betas: list = _f([0.9, 0.99], "AdamW betas")
+    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    warmup_steps: int = _f(2, "linear warmup over this many optimizer steps", min=0)
+    schedule: str = _f("constant", "LR after warmup", choices=["constant", "cosine", "linear"])
+    min_lr_ratio: float = _f(0.1, "cosine/linear: final LR as a fraction of the peak", min=0.0, max=1.0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off", min=0.0)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = _f("grpo", "advantage estimator", choices=["grpo", "dr_grpo"])
+    rollout_n: int = _f(8, "samples per prompt (the GRPO group size)", min=1)
+    norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)")
+    clip_ratio_low: float = _f(0.2, "PPO clip: lower bound is 1 - this", min=0.0)
+    clip_ratio_high: float = _f(0.28, "PPO clip: upper bound is 1 + this", min=0.0)
+    loss_agg_mode: str = _f("token-mean", "how per-token losses become one scalar",
+                            choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+    kl_coef: float = _f(0.0, "weight of the KL to the frozen reference policy; 0 = no reference", min=0.0)
+    kl_type: str = _f("low_var_kl", "KL estimator", choices=["k1", "k3", "low_var_kl"])
+    use_kl_loss: bool = _f(True, "KL as a loss term (true) or as a per-token reward penalty (false)")
+    entropy_coef: float = _f(0.0, "entropy bonus weight", min=0.0)
+    ppo_epochs: int = _f(1, "passes over each rollout batch", min=1)
+    ppo_mini_batch_size: int = _f(0, "prompts per optimizer step; 0 = the whole batch (one step per RL step)", min=0)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = _f("torch", "generation backend", choices=["torch", "vllm"])
+    temperature: float = _f(1.0, "sampling temperature", min=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
+    max_new_tokens: int = _f(12, "longest response", min=1)
+    micro_batch_size: int = _f(0, "sequences generated together per rank; 0 = all at once", min=0)
+    gpu_memory_utilization: float = _f(0.4, "vllm: fraction of device memory for weights + KV cache", min=0.0, max=1.0)
+    verify_sync: bool = _f(False, "vllm: after each weight sync, check vLLM log-probs equal the trainer's")
+
+
+@dataclass
+class EngineConfig:
+    """What every training backend understands. Subclasses add parallel layout."""
+
+    name: str = _f("fsdp", "training backend", choices=["fsdp", "megatron"])
+    param_offload: bool = _f(False, "offload params to host and release grad buffers while the engine is idle")
+    optimizer_offload: bool = _f(False, "offload optimizer state to host while the engine is idle")
+    micro_batch_size: int = _f(0, "sequences per forward/backward; 0 = use max_tokens_per_micro_batch", min=0)
+    max_tokens_per_micro_batch: int = _f(4096, "token budget per micro-batch (padded tokens counted)", min=1)
+    pad_to_length: bool = _f(False, "pad each micro-batch's length up to a bucket boundary (few shapes)")
+    pad_to_length_bucket: int = _f(16, "bucket granularity for policy=multiple (and geometric's base)", min=1)
+    pad_to_length_policy: str = _f("multiple", "bucket boundaries", choices=["multiple", "geometric", "learned"])
+    pad_to_length_max_shapes: int = _f(8, "policy=learned: at most this many distinct lengths", min=1)
+    pad_to_length_refresh_steps: int = _f(5, "policy=learned: refit boundaries every N steps", min=1)
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward")
+    fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)")
+    compile: bool = _f(False, "torch.compile the model's forward")
+
+
+@dataclass
+class FSDPEngineConfig(EngineConfig):
+    reshard_after_forward: bool = _f(True, "FSDP2: free gathered params after forward (ZeRO-3) or keep (ZeRO-2)")
+
+
+@dataclass
+class MegatronEngineConfig(EngineConfig):
+    name: str = _f("megatron", "training backend", choices=["fsdp", "megatron"])
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks", min=1)
+    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel ranks", min=1)
+    context_parallel_size: int = _f(1, "context-parallel ranks", min=1)
+    sequence_parallel: bool = _f(False, "sequence parallel (forced off when TP = 1)")
+    use_distributed_optimizer: bool = _f(True, "shard optimizer state over data-parallel ranks (GPU)")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _f("ckpt", "run directory: config, metrics and step_N/ checkpoints")
+    save_freq: int = _f(20, "save every N steps (and at the end); 0 = only at the end", min=0)
+    keep_last: int = _f(2, "complete checkpoints to keep; older ones are pruned; 0 = keep all", min=0)
+    overwrite: bool = _f(False, "allow a new run to replace an existing run directory")
+    save_final: bool = _f(True, "save after the last step")
+
+
+@dataclass
+class RunConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=FSDPEngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": MegatronEngineConfig}
+
+# Config groups: the YAML files under configs/<group>/ pick one option each.
+CONFIG_GROUPS = ("engine", "task", "model", "algorithm", "rollout")
+
+
+def section_types(engine_name: Optional[str] = None) -> dict[str, type]:
+    """The dataclass behind each top-level section, with the engine resolved."""
+    from dataclasses import fields
+
+    out = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+    out["engine"] = ENGINE_CONFIGS.get(engine_name or "fsdp", FSDPEngineConfig)
+    return out
