@@ -1,0 +1,26 @@
+"""Errors a user can act on. The CLI prints their message (one paragraph) and exits 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: a config value, a path, a checkpoint that cannot be used.
+
+    The message names the problem and the fix. The CLI shows it without a traceback and
+    exits with ``exit_code``.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, title: str = "error"):
+        super().__init__(message)
+        self.message = message
+        self.title = title
+
+
+class ConfigError(UserError):
+    """A config key or value that cannot be used."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, unsafe or incompatible."""
