@@ -1,0 +1,40 @@
+"""The `rl` command line. Thin: parse, call engine/, render the result.
+
+Nothing heavy is imported here (no torch, ray, vllm, megatron): `rl --help` and TAB
+completion import only this module, typer and the command modules' signatures.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="rl",
+    help="Launch and inspect RL post-training runs of language models (GRPO/PPO on FSDP2 or Megatron).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Each module in rlcli/commands defines register(app). Order is the order in --help.
+COMMAND_MODULES = ("train", "resume", "inspect_ckpt", "mem_report", "env")
+
+for _name in COMMAND_MODULES:
+    try:
+        _mod = importlib.import_module(f"rlcli.commands.{_name}")
+    except ModuleNotFoundError as _e:  # a command not built yet
+        if _e.name != f"rlcli.commands.{_name}":
+            raise
+        continue
+    _mod.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
