@@ -1,0 +1,114 @@
+"""Generate configs/rl.yaml, configs/engine/*.yaml and docs/config-reference.md from the
+schema, so YAML and docs can never drift from the dataclasses.
+
+    python -m engine.config.generate          # rewrite the files
+    python -m engine.config.generate --check  # exit 1 if any file differs (CI drift check)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from engine.config.schema import CONFIG_GROUPS, ENGINE_CONFIGS, section_types
+
+HEADER = "# GENERATED from engine/config/schema.py by `python -m engine.config.generate`. Do not edit.\n"
+
+
+def _default(f):
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _yaml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '""' if v == "" else (v if v.replace("_", "").replace("-", "").isalnum() else f'"{v}"')
+    if isinstance(v, list):
+        return "[" + ", ".join(_yaml_value(x) for x in v) + "]"
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def _section_yaml(cls, indent: str) -> list[str]:
+    lines = []
+    for f in fields(cls):
+        lines.append(f"{indent}{f.name}: {_yaml_value(_default(f))}  # {f.metadata.get('help', '')}")
+    return lines
+
+
+def render_main() -> str:
+    lines = [HEADER, "defaults:", "  - _self_"]
+    defaults = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}
+    lines += [f"  - {g}: {defaults[g]}" for g in CONFIG_GROUPS]
+    lines.append("")
+    for section, cls in section_types().items():
+        if section == "engine":
+            continue
+        lines.append(f"{section}:")
+        lines += _section_yaml(cls, "  ")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_engine(name: str) -> str:
+    cls = ENGINE_CONFIGS[name]
+    lines = [HEADER, "# @package engine"]
+    lines += _section_yaml(cls, "")
+    return "\n".join(lines) + "\n"
+
+
+def render_reference() -> str:
+    out = ["# Config reference", "",
+           "Generated from `engine/config/schema.py` (`python -m engine.config.generate`).",
+           "Set any key on the command line: `rl train section.key=value`. Groups pick a preset file: "
+           + ", ".join(f"`{g}=`" for g in CONFIG_GROUPS) + ".", ""]
+    for section, cls in section_types().items():
+        classes = ENGINE_CONFIGS.values() if section == "engine" else [cls]
+        for c in classes:
+            title = f"`{section}`" + (f" ({c.__name__})" if section == "engine" else "")
+            out += [f"## {title}", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+            for f in fields(c):
+                m = f.metadata
+                allowed = " / ".join(map(str, m["choices"])) if "choices" in m else ""
+                if "min" in m or "max" in m:
+                    allowed = f"{m.get('min', '')} .. {m.get('max', '')}"
+                out.append(f"| `{section}.{f.name}` | `{_yaml_value(_default(f))}` | {allowed} | {m.get('help', '')} |")
+            out.append("")
+    from engine.config.removed_keys import REMOVED_KEYS
+
+    out += ["## Removed keys", "", "| key | use instead | why |", "|---|---|---|"]
+    out += [f"| `{k.key}` | `{k.replacement}` | {k.reason} |" for k in REMOVED_KEYS.values()]
+    return "\n".join(out) + "\n"
+
+
+def generated_files(root: Path) -> dict[Path, str]:
+    files = {root / "configs" / "rl.yaml": render_main(),
+             root / "docs" / "config-reference.md": render_reference()}
+    for name in ENGINE_CONFIGS:
+        files[root / "configs" / "engine" / f"{name}.yaml"] = render_engine(name)
+    return files
+
+
+def main(argv: list[str]) -> int:
+    root = Path(__file__).resolve().parents[2]
+    stale = []
+    for path, text in generated_files(root).items():
+        current = path.read_text() if path.exists() else None
+        if current != text:
+            stale.append(path)
+            if "--check" not in argv:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    if "--check" in argv and stale:
+        print("stale generated files (run `python -m engine.config.generate`): " + ", ".join(map(str, stale)))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

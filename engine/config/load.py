@@ -1,0 +1,174 @@
+"""Compose a RunConfig from configs/ (Hydra compose API) and command-line overrides.
+
+    cfg, info = load_run_config(["trainer.total_steps=50"], engine="megatron")
+
+Overrides are checked against the schema *before* Hydra sees them, so a typo gets "did you
+mean", a removed key names its replacement, and a bad group option lists the options —
+instead of Hydra's "Key 'x' is not in struct".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.config.schema import CONFIG_GROUPS, RunConfig
+from engine.config.validate import build_run_config, check_key, suggest
+from engine.errors import ConfigError
+
+CONFIG_NAME = "rl"
+
+
+def config_dir() -> Path:
+    """The shipped configs/ directory (works for editable and regular installs)."""
+    import configs
+
+    return Path(configs.__file__).resolve().parent
+
+
+def group_options(group: str) -> list[str]:
+    d = config_dir() / group
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+@dataclass
+class LoadedConfig:
+    config: RunConfig
+    overrides: list[str]
+    groups: dict[str, str]
+    changed: dict[str, tuple] = field(default_factory=dict)  # key -> (default, now)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """'a.b=1' -> ('', 'a.b', '1'); '+a=1' -> ('+', 'a', '1'); '~a' -> ('~', 'a', '')."""
+    prefix = ""
+    if text[:2] == "++":
+        prefix, text = "++", text[2:]
+    elif text[:1] in "+~":
+        prefix, text = text[0], text[1:]
+    if "=" not in text:
+        if prefix == "~":
+            return prefix, text, ""
+        raise ConfigError(
+            f"`{text}` is not an override. Overrides look like `key=value`, e.g. trainer.total_steps=50 "
+            f"or task=add.", title="invalid override")
+    key, value = text.split("=", 1)
+    return prefix, key.strip(), value
+
+
+def precheck_overrides(overrides: list[str], engine: str | None) -> str:
+    """Validate override keys and group choices against the schema; returns the engine name."""
+    groups = {}
+    for o in overrides:
+        prefix, key, value = parse_override(o)
+        if key in CONFIG_GROUPS:
+            groups[key] = value
+    engine_name = engine or groups.get("engine") or "fsdp"
+    for o in overrides:
+        prefix, key, value = parse_override(o)
+        if prefix in ("~", "++", "+"):
+            raise ConfigError(
+                f"`{o}`: rl's config has a fixed schema, so keys cannot be added or deleted with "
+                f"`{prefix}`. Set the key directly: `{key}=<value>`.", title="invalid override")
+        if key in CONFIG_GROUPS:
+            opts = group_options(key)
+            if value not in opts:
+                raise ConfigError(
+                    f"`{key}={value}` is not a known {key} option.{suggest(value, opts)} "
+                    f"Options: {', '.join(opts)}.", title="unknown config option")
+            continue
+        check_key(key, engine_name)
+    return engine_name
+
+
+def compose_dict(overrides: list[str]) -> dict:
+    """Hydra compose over configs/ -> plain dict (no validation)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
+    except Exception as e:  # Hydra's own errors (bad value syntax, etc.)
+        raise ConfigError(f"Could not apply the overrides {overrides}: {e}", title="invalid override") from None
+    finally:
+        GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def load_run_config(overrides: list[str] | None = None, engine: str | None = None) -> LoadedConfig:
+    overrides = list(overrides or [])
+    if engine is not None:
+        if engine not in group_options("engine"):
+            opts = group_options("engine")
+            raise ConfigError(f"`--engine {engine}` is not a known engine.{suggest(engine, opts)} "
+                              f"Options: {', '.join(opts)}.", title="unknown engine")
+        overrides = [o for o in overrides if not o.startswith("engine=")] + [f"engine={engine}"]
+    precheck_overrides(overrides, engine)
+    data = compose_dict(overrides)
+    cfg = build_run_config(data)
+    groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
+    defaults = build_run_config(compose_dict([f"{g}={v}" for g, v in groups.items() if g == "engine"]))
+    return LoadedConfig(cfg, overrides, groups, diff_configs(defaults, cfg))
+
+
+def _chosen(overrides: list[str], group: str) -> str:
+    default = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}[group]
+    for o in overrides:
+        if o.startswith(f"{group}="):
+            default = o.split("=", 1)[1]
+    return default
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def diff_configs(a: RunConfig, b: RunConfig) -> dict[str, tuple]:
+    fa, fb = flatten(asdict(a)), flatten(asdict(b))
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Rebuild a RunConfig from a saved (resolved) dict, e.g. a checkpoint's config."""
+    return build_run_config(data)
+
+
+def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply key=value overrides to an existing config (used by `rl resume`)."""
+    from omegaconf import OmegaConf
+
+    engine_name = cfg.engine.name
+    base = OmegaConf.create(asdict(cfg))
+    for o in overrides:
+        prefix, key, value = parse_override(o)
+        if prefix:
+            raise ConfigError(f"`{o}`: only plain `key=value` overrides are allowed here.", title="invalid override")
+        if key in CONFIG_GROUPS:
+            raise ConfigError(f"`{o}`: config groups cannot change on resume; set individual keys instead.",
+                              title="invalid override")
+        check_key(key, engine_name)
+        OmegaConf.update(base, key, _parse_value(value), merge=False)
+    return build_run_config(OmegaConf.to_container(base, resolve=True))  # type: ignore[arg-type]
+
+
+def _parse_value(text: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except Exception:
+        return text
+
+
+os.environ.setdefault("HYDRA_FULL_ERROR", "0")

@@ -1,0 +1,192 @@
+"""Strict validation of a composed config against the typed schema.
+
+Turns a plain nested dict into a RunConfig, or raises ConfigError with a message a user can
+act on: unknown keys get "did you mean", removed keys name their replacement, wrong types and
+out-of-range values name the key, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING, fields, is_dataclass
+from typing import Any
+
+from engine.config.removed_keys import removed_message
+from engine.config.schema import ENGINE_CONFIGS, RunConfig, section_types
+from engine.errors import ConfigError
+
+
+def all_keys(engine_name: str | None = None, include_all_engines: bool = True) -> dict[str, Any]:
+    """Every leaf key ``section.field`` mapped to its dataclass field (engines merged)."""
+    out: dict[str, Any] = {}
+    for section, cls in section_types(engine_name).items():
+        classes = list(ENGINE_CONFIGS.values()) if (section == "engine" and include_all_engines) else [cls]
+        for c in classes:
+            for f in fields(c):
+                out.setdefault(f"{section}.{f.name}", f)
+    return out
+
+
+def suggest(key: str, candidates: list[str]) -> str:
+    """' Did you mean `x`?' or '' — matched on the full key and on its last segment."""
+    best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not best:
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.7)
+        best = [by_leaf[leaf_match[0]]] if leaf_match else []
+    return f" Did you mean `{best[0]}`?" if best else ""
+
+
+def check_key(key: str, engine_name: str | None) -> None:
+    """Raise ConfigError if ``key`` is removed or not in the schema."""
+    msg = removed_message(key)
+    if msg:
+        raise ConfigError(msg, title="removed config key")
+    keys = all_keys(engine_name, include_all_engines=False)
+    if key in keys:
+        return
+    sections = section_types(engine_name)
+    if key in sections:
+        return
+    head = key.split(".", 1)[0]
+    if head not in sections:
+        raise ConfigError(
+            f"Unknown config section `{head}` in `{key}`.{suggest(head, list(sections))} "
+            f"Sections are: {', '.join(sections)}. See `rl train --help` or docs/config-reference.md.",
+            title="unknown config key")
+    other = all_keys(None, include_all_engines=True)
+    if key in other and head == "engine":
+        raise ConfigError(
+            f"`{key}` belongs to another engine and is not an option of `engine={engine_name}`. "
+            f"Pick that engine with `--engine` or drop the override.", title="unknown config key")
+    raise ConfigError(
+        f"Unknown config key `{key}`.{suggest(key, list(keys))} "
+        f"Run `rl train --help` or see docs/config-reference.md for every key.",
+        title="unknown config key")
+
+
+def _type_name(f) -> str:
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def coerce_value(key: str, f, value: Any) -> Any:
+    """Check ``value`` against field ``f``'s type and limits; return the coerced value."""
+    tname = _type_name(f).replace("Optional[", "").rstrip("]")
+    meta = f.metadata
+    allowed = ""
+    ok = True
+    v = value
+    if tname == "bool":
+        ok = isinstance(v, bool)
+        allowed = "true or false"
+    elif tname == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+        allowed = "an integer"
+    elif tname == "float":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok:
+            v = float(v)
+        allowed = "a number"
+    elif tname == "str":
+        ok = isinstance(v, str) or (v is None)
+        v = "" if v is None else v
+        allowed = "a string"
+    elif tname == "list":
+        ok = isinstance(v, (list, tuple))
+        v = list(v) if ok else v
+        allowed = "a list, e.g. [0.9,0.99]"
+    if not ok:
+        raise ConfigError(
+            f"`{key}` must be {allowed}; got {value!r} ({type(value).__name__}). "
+            f"Default: {key}={_fmt(f.default)}. Help: {meta.get('help', '')}.",
+            title="invalid config value")
+    if "choices" in meta and v not in meta["choices"]:
+        raise ConfigError(
+            f"`{key}` must be one of {', '.join(map(str, meta['choices']))}; got {value!r}."
+            f"{suggest(str(value), [str(c) for c in meta['choices']]) if isinstance(value, str) else ''}",
+            title="invalid config value")
+    if "min" in meta and v < meta["min"]:
+        raise ConfigError(f"`{key}` must be >= {meta['min']}; got {value!r}. ({meta.get('help', '')})",
+                          title="invalid config value")
+    if "max" in meta and v > meta["max"]:
+        raise ConfigError(f"`{key}` must be <= {meta['max']}; got {value!r}. ({meta.get('help', '')})",
+                          title="invalid config value")
+    return v
+
+
+def _fmt(v: Any) -> str:
+    if v is MISSING:
+        return "?"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)
+
+
+def build_run_config(data: dict) -> RunConfig:
+    """Validate a plain nested dict (every section optional) into a RunConfig."""
+    engine_name = (data.get("engine") or {}).get("name", "fsdp")
+    if engine_name not in ENGINE_CONFIGS:
+        raise ConfigError(
+            f"`engine.name` must be one of {', '.join(ENGINE_CONFIGS)}; got {engine_name!r}."
+            f"{suggest(str(engine_name), list(ENGINE_CONFIGS))}", title="invalid config value")
+    sections = section_types(engine_name)
+    built = {}
+    for section, value in data.items():
+        if section not in sections:
+            check_key(section, engine_name)  # raises with a suggestion
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{section}` must be a mapping of keys; got {value!r}.", title="invalid config")
+    for section, cls in sections.items():
+        values = data.get(section) or {}
+        kwargs = {}
+        known = {f.name: f for f in fields(cls)}
+        for k, v in values.items():
+            key = f"{section}.{k}"
+            if k not in known:
+                check_key(key, engine_name)
+            if isinstance(v, dict) and not is_dataclass(known[k].type):
+                raise ConfigError(f"`{key}` is a value, not a section; got {v!r}.", title="invalid config value")
+            kwargs[k] = coerce_value(key, known[k], v)
+        built[section] = cls(**kwargs)
+    cfg = RunConfig(**built)
+    check_cross_field(cfg)
+    return cfg
+
+
+def check_cross_field(cfg: RunConfig) -> None:
+    """Rules that involve more than one key."""
+    if cfg.task.name in ("jsonl", "parquet"):
+        if not cfg.task.path:
+            raise ConfigError(f"`task={cfg.task.name}` needs `task.path=/path/to/prompts.{cfg.task.name}`.",
+                              title="invalid config")
+        if not cfg.task.reward_fn:
+            raise ConfigError("A prompt-file task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match` "
+                              "(a function (prompt, response, answer) -> float; the current directory is importable).",
+                              title="invalid config")
+    if cfg.algorithm.ppo_mini_batch_size and cfg.data.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
+        raise ConfigError(
+            f"`data.train_batch_size` ({cfg.data.train_batch_size}) must be a multiple of "
+            f"`algorithm.ppo_mini_batch_size` ({cfg.algorithm.ppo_mini_batch_size}).", title="invalid config")
+    if cfg.algorithm.clip_ratio_low >= 1.0:
+        raise ConfigError("`algorithm.clip_ratio_low` must be < 1 (the lower clip bound is 1 - clip_ratio_low).",
+                          title="invalid config value")
+    e = cfg.engine
+    if e.name == "megatron":
+        mp = e.tensor_model_parallel_size * e.pipeline_model_parallel_size * e.context_parallel_size
+        if cfg.trainer.nprocs % mp:
+            raise ConfigError(
+                f"`trainer.nprocs` ({cfg.trainer.nprocs}) must be a multiple of tensor x pipeline x context "
+                f"parallel sizes ({mp}). Set trainer.nprocs={mp} or lower engine.tensor_model_parallel_size.",
+                title="invalid config")
+    if e.fp8:
+        from engine.device import fp8_unavailable_reason
+        reason = fp8_unavailable_reason()
+        if reason:
+            raise ConfigError(f"`engine.fp8=true` needs Transformer-Engine on an FP8-capable GPU: {reason}. "
+                              f"Drop engine.fp8 (bf16/fp32 train fine).", title="invalid config value")
+    if cfg.trainer.device == "cuda":
+        from engine.device import cuda_available
+        if not cuda_available():
+            raise ConfigError("`trainer.device=cuda` but no CUDA device is visible on this machine. "
+                              "Use trainer.device=auto (or cpu).", title="invalid config value")
