@@ -1,0 +1,157 @@
+"""Reader for torch.distributed.checkpoint (DCP) directories: ``.metadata`` + ``*.distcp``.
+
+``.metadata`` is a pickle of DCP's ``Metadata`` dataclass; it is read with the restricted
+unpickler (:mod:`engine.inspect.safe_unpickle`), never with ``pickle.load``. Every tensor's
+dtype, global shape and chunks, every non-tensor entry, and where each piece lives
+(file, offset, length) come from it; the ``.distcp`` data files are only ``stat``-ed, to
+check they are as long as the metadata says.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from engine.errors import CheckpointError
+from engine.inspect.files import human_bytes, list_files
+from engine.inspect.grouping import guess_group
+from engine.inspect.report import CheckpointReport, FileInfo, ObjectInfo, TensorInfo
+from engine.inspect.safe_unpickle import Record, load_pickle
+
+METADATA_FILE = ".metadata"
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+
+
+@dataclass
+class DcpContents:
+    """What a DCP directory's metadata says, plus the data-file checks."""
+
+    tensors: list[TensorInfo] = field(default_factory=list)
+    objects: list[ObjectInfo] = field(default_factory=list)
+    files: list[FileInfo] = field(default_factory=list)
+    writer_ranks: list[int] = field(default_factory=list)  # ranks that wrote __<rank>_*.distcp
+    version: Optional[str] = None
+    problems: list[str] = field(default_factory=list)  # truncated or missing data files
+    notes: list[str] = field(default_factory=list)
+
+
+def is_dcp_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / METADATA_FILE).is_file()
+                              or any(_DATA_FILE.match(p.name) for p in path.iterdir()))
+
+
+def _attr(rec, name, default=None):
+    return rec.__dict__.get(name, default) if isinstance(rec, Record) else default
+
+
+def read_dcp(root: Path, *, display: Optional[str] = None,
+             group: Callable[[str, bool], str] = guess_group) -> DcpContents:
+    """Read a DCP directory's metadata. Raises CheckpointError if it cannot be read.
+
+    Data-file problems (missing, shorter than the metadata says) are returned in
+    ``problems``; the caller decides whether they make the checkpoint unusable.
+    """
+    shown = display or str(root)
+    meta_path = root / METADATA_FILE
+    if not meta_path.is_file():
+        rank_meta = sorted(p.name for p in root.iterdir() if _RANK_METADATA.match(p.name)) \
+            if root.is_dir() else []
+        if rank_meta:
+            raise CheckpointError(
+                f"{shown} has per-rank metadata ({', '.join(rank_meta[:4])}) but no global "
+                f"{METADATA_FILE}: it was saved with no_dist/without a coordinator. "
+                "rl inspect-ckpt reads the global .metadata only.",
+                title="unsupported checkpoint")
+        data = sorted(p.name for p in root.iterdir() if _DATA_FILE.match(p.name)) \
+            if root.is_dir() else []
+        raise CheckpointError(
+            f"{shown} has no {METADATA_FILE}"
+            + (f" but {len(data)} data file(s) ({', '.join(data[:3])})" if data else "")
+            + ". DCP writes .metadata last, so the save that wrote this directory did not "
+            "finish. Pick another checkpoint (or re-save this one).",
+            title="incomplete checkpoint")
+    md = load_pickle(meta_path.read_bytes(), source=f"{shown}/{METADATA_FILE}")
+    sdm = _attr(md, "state_dict_metadata")
+    if not isinstance(sdm, dict):
+        raise CheckpointError(
+            f"{shown}/{METADATA_FILE} is not torch.distributed.checkpoint metadata (it holds "
+            f"{type(md).__name__}); the file is corrupt or from another program.",
+            title="corrupt checkpoint")
+
+    out = DcpContents(version=_attr(md, "version"))
+    stored: dict[str, int] = {}
+    ends: dict[str, int] = {}
+    storage_data = _attr(md, "storage_data")
+    if isinstance(storage_data, dict):
+        for index, info in storage_data.items():
+            rel, off, length = _attr(info, "relative_path"), _attr(info, "offset"), _attr(info, "length")
+            if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+                continue
+            fqn = _attr(index, "fqn", "")
+            stored[fqn] = stored.get(fqn, 0) + length
+            ends[rel] = max(ends.get(rel, 0), off + length)
+    else:
+        out.notes.append("storage layout is not the filesystem writer's: data files not checked")
+
+    for name, entry in sdm.items():
+        qual = getattr(entry, "qualname", "")
+        if qual.endswith("TensorStorageMetadata"):
+            props = _attr(entry, "properties")
+            dtype = str(_attr(props, "dtype", "unknown"))
+            size = tuple(int(d) for d in (_attr(entry, "size") or ()))
+            chunks = _attr(entry, "chunks") or []
+            out.tensors.append(TensorInfo(name=name, dtype=dtype, shape=size,
+                                          shards=max(1, len(chunks)), group=group(name, True)))
+        elif qual.endswith("BytesStorageMetadata"):
+            out.objects.append(ObjectInfo(name=name, type="bytes", group=group(name, False),
+                                          stored_bytes=stored.get(name)))
+        else:
+            raise CheckpointError(
+                f"{shown}/{METADATA_FILE}: entry {name!r} has unknown storage type "
+                f"{qual or type(entry).__name__}; the file is corrupt or from a newer torch.",
+                title="corrupt checkpoint")
+
+    out.files = list_files(root)
+    sizes = {f.path: f.bytes for f in out.files}
+    for rel, end in sorted(ends.items()):
+        if rel not in sizes:
+            out.problems.append(f"{rel} is missing (the metadata stores data in it)")
+        elif sizes[rel] < end:
+            out.problems.append(f"{rel} is truncated: {human_bytes(sizes[rel])} on disk, the "
+                                f"metadata stores data up to byte {end:,}")
+    out.writer_ranks = sorted({int(m.group(1)) for f in out.files
+                               if (m := _DATA_FILE.match(f.path))})
+    return out
+
+
+def raise_problems(shown: str, problems: list[str]) -> None:
+    """Data-file problems make a checkpoint unusable: one clear error listing them all."""
+    if problems:
+        raise CheckpointError(
+            f"{shown} is truncated or incomplete: " + "; ".join(problems) + ". Copy the "
+            "checkpoint again from where it was written, or pick another one.",
+            title="corrupt checkpoint")
+
+
+def inspect_dcp(path: Path, *, display: Optional[str] = None) -> CheckpointReport:
+    """Report for a plain torch.distributed.checkpoint directory."""
+    shown = display or str(path)
+    c = read_dcp(path, display=shown)
+    raise_problems(shown, c.problems)
+    from engine.inspect.coverage import rl_coverage
+
+    rep = CheckpointReport(
+        path=shown, format="dcp",
+        format_detail=f"torch.distributed.checkpoint directory (metadata version {c.version or '?'})",
+        world_size=len(c.writer_ranks) or None,
+        layout={"ranks_with_data": len(c.writer_ranks),
+                "data_files": sum(1 for f in c.files if f.path.endswith(".distcp"))},
+        files=c.files, tensors=c.tensors, objects=c.objects, notes=list(c.notes))
+    rep.optimizer = rl_coverage([t.name for t in c.tensors] + [o.name for o in c.objects], None)
+    if rep.world_size:
+        rep.notes.append("world size = ranks that wrote data files (DCP does not record the "
+                         "world size; ranks holding only replicas write nothing)")
+    return rep

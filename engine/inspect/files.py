@@ -1,0 +1,78 @@
+"""Small file helpers shared by the readers: sizes on disk, JSON/YAML side files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.errors import CheckpointError
+from engine.inspect.report import FileInfo
+
+
+def list_files(root: Path, *, relative_to: Optional[Path] = None) -> list[FileInfo]:
+    """Every regular file under ``root`` (recursively, hidden ones included), sorted."""
+    base = relative_to or root
+    out: list[FileInfo] = []
+    if root.is_file():
+        return [FileInfo(root.name if relative_to is None else str(root.relative_to(base)),
+                         root.stat().st_size)]
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            try:
+                size = p.stat().st_size
+            except OSError:
+                continue
+            out.append(FileInfo(str(p.relative_to(base)), size))
+    return out
+
+
+def read_json(path: Path, *, what: str) -> Any:
+    """Parse a JSON side file; a corrupt one is a CheckpointError naming ``what``."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} ({path}): {e.strerror}.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{what} ({path}) is truncated or corrupt: not valid JSON ({e}). "
+            "The save that wrote it did not finish; pick another checkpoint.",
+            title="corrupt checkpoint") from None
+
+
+def read_yaml(path: Path) -> Optional[Any]:
+    """Parse a YAML side file (config.yaml); None if unreadable (it is informational)."""
+    try:
+        import yaml
+
+        return yaml.safe_load(path.read_text())
+    except Exception:
+        return None
+
+
+def dir_size(root: Path) -> tuple[int, int]:
+    """(bytes, files) of everything under ``root``."""
+    total = count = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                total += (Path(dirpath) / name).stat().st_size
+                count += 1
+            except OSError:
+                pass
+    return total, count
+
+
+def human_bytes(n: Optional[int]) -> str:
+    """1536 -> '1.5 KiB'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
