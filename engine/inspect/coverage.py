@@ -30,10 +30,12 @@ def _lookup(param_state: dict, fqn: str):
     return None
 
 
-def _classify(params: list[str], states: dict[str, set[str]], orphans: list[str],
+def _classify(params: list[str], states: dict[str, set[str]], orphans: dict[str, str],
               param_state: Optional[dict], source: str) -> OptimizerCoverage:
+    """``orphans``: entry name -> the parameter name it refers to."""
     names = sorted(set().union(*states.values())) if states else []
     cov = OptimizerCoverage(state_names=names, source=source, orphans=sorted(orphans),
+                            orphan_params=sorted(set(orphans.values())),
                             manifest=param_state is not None)
     for fqn in params:
         if param_state is not None:
@@ -59,7 +61,7 @@ def rl_coverage(entry_names: Iterable[str], param_state: Optional[dict]) -> Opti
     params = [n[len("model."):] for n in names if n.startswith("model.")]
     param_set = set(params)
     states: dict[str, set[str]] = {}
-    orphans: list[str] = []
+    orphans: dict[str, str] = {}
     seen_optim = False
     for n in names:
         if n.startswith("optim.state."):
@@ -68,12 +70,12 @@ def rl_coverage(entry_names: Iterable[str], param_state: Optional[dict]) -> Opti
             if fqn in param_set:
                 states.setdefault(fqn, set()).add(state)
             else:
-                orphans.append(n)
+                orphans[n] = fqn
         elif n.startswith("optim.param_groups."):
             seen_optim = True
             fqn = n[len("optim.param_groups."):].rpartition(".")[0]
             if fqn not in param_set:
-                orphans.append(n)
+                orphans[n] = fqn
     if not seen_optim and not param_state:
         return None
     return _classify(params, states, orphans, param_state,
@@ -86,7 +88,7 @@ def megatron_coverage(tensor_names: Iterable[str]) -> Optional[OptimizerCoverage
     params = [n for n in names if not n.startswith("optimizer.") and "rng_state" not in n]
     param_set = set(params)
     states: dict[str, set[str]] = {}
-    orphans: list[str] = []
+    orphans: dict[str, str] = {}
     seen = False
     for n in names:
         if not n.startswith("optimizer.state."):
@@ -99,7 +101,7 @@ def megatron_coverage(tensor_names: Iterable[str]) -> Optional[OptimizerCoverage
         if fqn in param_set:
             states.setdefault(fqn, set()).add(state)
         else:
-            orphans.append(n)
+            orphans[n] = fqn
     if not seen:
         return None
     return _classify(params, states, orphans, None, "megatron (optimizer.state.<name>.<fqn>)")

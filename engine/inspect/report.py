@@ -107,6 +107,7 @@ class OptimizerCoverage:
     none_expected: list[str] = field(default_factory=list)
     none_unexpected: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)  # optimizer entries naming no parameter
+    orphan_params: list[str] = field(default_factory=list)  # the parameter names they use
     source: str = ""  # which naming scheme was recognised
     manifest: bool = False  # an rl manifest said which parameters may lack state
 
@@ -116,7 +117,7 @@ class OptimizerCoverage:
                 "partial": {k: list(v) for k, v in self.partial.items()},
                 "none_expected": list(self.none_expected),
                 "none_unexpected": list(self.none_unexpected),
-                "orphans": list(self.orphans)}
+                "orphans": list(self.orphans), "orphan_params": list(self.orphan_params)}
 
 
 @dataclass

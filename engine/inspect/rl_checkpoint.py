@@ -26,6 +26,8 @@ from engine.inspect.torch_save import entries
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_STEP_DIR = re.compile(r"^\.tmp-step_(\d+)$")
+# Left behind by the writer: a same-named incomplete dir moved aside, a prune in progress.
+ASIDE_DIR = re.compile(r"^\.(?:stale-step_(\d+)-\d+|deleting-step_(\d+))$")
 MANIFEST = "manifest.json"
 RNG_FILE = re.compile(r"^rank_(\d+)\.pt$")
 
@@ -66,8 +68,10 @@ def _run_root_of(step_dir: Path) -> Optional[Path]:
 
 
 def _step_from_name(name: str) -> Optional[int]:
-    m = STEP_DIR.match(name) or TMP_STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
+    m = STEP_DIR.match(name) or TMP_STEP_DIR.match(name) or ASIDE_DIR.match(name)
+    if not m:
+        return None
+    return int(next(g for g in m.groups() if g is not None))
 
 
 def _check_manifest_files(step_dir: Path, manifest: dict) -> list[str]:
@@ -242,7 +246,7 @@ def _compare_manifest_params(rep: CheckpointReport, m: dict) -> None:
     for fqn, spec in params.items():
         if not isinstance(spec, dict) or "shape" not in spec:
             continue
-        t = have.get(fqn) or have.get(f"model.{fqn}")
+        t = have.get(f"model.{fqn}") or have.get(fqn)
         if t is None:
             rep.notes.append(f"manifest lists parameter {fqn} but state/ has no such tensor")
         elif list(t.shape) != list(spec.get("shape", [])) or (
@@ -296,6 +300,10 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None) -> RunReport:
         info = StepInfo(name=d.name, step=step, complete=False, bytes=size, files=count)
         if TMP_STEP_DIR.match(d.name):
             info.reason = "save in progress or abandoned (never chosen; the next save removes it)"
+        elif d.name.startswith(".stale-"):
+            info.reason = "an incomplete step dir moved aside by a later save (safe to delete)"
+        elif d.name.startswith(".deleting-"):
+            info.reason = "being deleted by checkpoint pruning (or a prune was interrupted)"
         elif not (d / MANIFEST).is_file():
             info.reason = "no manifest.json (interrupted save or hand copy; never chosen)"
         else:

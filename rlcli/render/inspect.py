@@ -122,7 +122,8 @@ def render_coverage(cov, console: Console) -> None:
               str(len(cov.none_unexpected)), _names(cov.none_unexpected))
     style = "[red]" if cov.orphans else ""
     t.add_row(f"{style}orphan entries (no such parameter){'[/]' if style else ''}",
-              str(len(cov.orphans)), _names(cov.orphans))
+              str(len(cov.orphans)),
+              f"{len(cov.orphans)} entries for: {_names(cov.orphan_params)}" if cov.orphans else "")
     t.caption = (f"{cov.params} trainable parameters (per the manifest)" if cov.manifest
                  else f"{cov.params} parameters (no manifest: all count as trainable)")
     console.print(t)
