@@ -1,12 +1,14 @@
 """Find and clear Transformer-Engine FP8 weight workspaces, and count the bytes they hold.
 
 TE modules keep quantised copies of their weights in ``module._fp8_workspaces``: a dict
-keyed ``weight`` (Linear, LayerNormLinear, ...) or ``weight0..N`` (GroupedLinear), whose
-values are quantised tensors (``Float8Tensor`` with ``_data``/``_transpose``/``_scale_inv``,
-``MXFP8Tensor`` with ``_rowwise_data``/``_columnwise_data``, ...). They are neither parameters
-nor buffers, so moving a model's parameters to host leaves them on the device; on large FP8
-models they hold tens of GiB per rank. TE rebuilds them lazily on the next forward, so
-clearing them on every parameter offload is safe.
+keyed ``weight`` (Linear, LayerNormLinear), ``fc1_weight``/``fc2_weight`` (LayerNormMLP) or
+``weight0..N`` (GroupedLinear), filled when the forward is given ``is_first_microbatch``
+(megatron-core passes it), whose values are quantised tensors (``Float8Tensor`` with
+``_data``/``_transpose``/``_scale_inv``, ``MXFP8Tensor`` with ``_rowwise_data``/
+``_columnwise_data``, ...). They are neither parameters nor buffers, so moving a model's
+parameters to host leaves them on the device; on large FP8 models they hold tens of GiB per
+rank. TE rebuilds them lazily on the next forward, so clearing them on every parameter
+offload is safe.
 
 The walk goes through every wrapper that is an ``nn.Module`` (FSDP2 ``fully_shard`` modules,
 DDP, megatron-core DDP / Float16Module), through objects that only hold a ``.module``, and
@@ -25,7 +27,7 @@ import torch
 
 WORKSPACE_ATTR = "_fp8_workspaces"
 
-# Attributes of a quantised tensor that hold its own data (not shared quantizer state).
+# How deep tensors_in follows containers (workspace dict -> value -> its data tensors).
 _MAX_DEPTH = 3
 
 
@@ -59,8 +61,12 @@ def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
         names, _ = t.__tensor_flatten__()
         inner.extend(getattr(t, n) for n in names if isinstance(getattr(t, n, None), torch.Tensor))
     for v in getattr(t, "__dict__", {}).values():
-        if isinstance(v, torch.Tensor) and all(v is not x for x in inner):
-            inner.append(v)
+        # tensors held directly, or one level down in a dict/list (older TE keeps the FP8
+        # transpose in ``_fp8_attrs``)
+        vals = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+        for x in vals:
+            if isinstance(x, torch.Tensor) and all(x is not y for y in inner):
+                inner.append(x)
     return inner
 
 

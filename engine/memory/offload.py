@@ -266,14 +266,17 @@ def _release_grads(module, state: _OffloadState, include_cpu: bool) -> int:
     return released
 
 
-def offload_params(module, *, simulate_on_cpu: bool = False) -> OffloadReport:
+def offload_params(module, *, simulate_on_cpu: bool = False, clear_fp8: bool = True) -> OffloadReport:
     """Move ``module``'s parameters to host, release gradients, clear FP8 workspaces.
 
     ``module`` may be a model, a wrapper (FSDP2, DDP, megatron-core) or a list of model chunks.
+    ``clear_fp8=False`` leaves TE's workspaces on the device (only to measure what clearing
+    saves, as bench/gpu_check.sh does; engines always clear).
     """
     if isinstance(module, (list, tuple)):       # megatron model chunks: one state per chunk
-        return combine_reports(*(offload_params(m, simulate_on_cpu=simulate_on_cpu) for m in module))
-    n_ws, ws_bytes = clear_fp8_workspaces(module)
+        return combine_reports(*(offload_params(m, simulate_on_cpu=simulate_on_cpu, clear_fp8=clear_fp8)
+                                 for m in module))
+    n_ws, ws_bytes = clear_fp8_workspaces(module) if clear_fp8 else (0, 0)
     params = list(_param_tensors(module))
     on_device = any(t.device.type not in ("cpu", "meta") for p in params for t in tensors_in(p))
     fp8_note = f"; FP8 workspaces cleared: {n_ws} ({_fmt(ws_bytes)})" if n_ws else ""
