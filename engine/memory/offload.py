@@ -12,7 +12,8 @@ How: the memory is moved per *storage*, not per tensor. Each distinct storage be
 parameters (for a DTensor, behind its local shard) is copied into a host buffer and then
 resized to 0 bytes; onload resizes it back and copies the bytes in. Tensor objects, their
 views (megatron-core's contiguous param/grad buffers, FSDP2's padded shard, tied weights) and
-the optimizer's references to them all stay valid, and the round trip is bit-exact.
+the optimizer's references to them all stay valid, and the round trip is bit-exact. While
+offloaded the tensors have no memory: onload before any forward, checkpoint or export.
 
 Host buffers are pinned when the storage is on CUDA, and kept and reused by the next offload
 of the same storage, so repeated offloads neither re-pin memory (slow) nor hold two host
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.backends.base import OffloadReport
-from engine.memory.fp8_workspaces import clear_fp8_workspaces, storage_key, tensors_in
+from engine.memory.fp8_workspaces import clear_fp8_workspaces, iter_modules, storage_key, tensors_in
 
 CPU_NOOP_NOTE = "offload is a no-op on CPU: params already live in host memory"
 
@@ -105,17 +106,11 @@ def _distinct_storages(tensors, include_cpu: bool):
 
 def _param_tensors(module):
     seen = set()
-    for m in _modules(module):
+    for m in iter_modules(module):
         for p in m.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
                 yield p
-
-
-def _modules(module):
-    from engine.memory.fp8_workspaces import iter_modules
-
-    return iter_modules(module)
 
 
 def _torch_optimizers(optimizer) -> list:
@@ -235,7 +230,7 @@ def _reshard_fsdp(module) -> None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return
-    for m in _modules(module):
+    for m in iter_modules(module):
         if isinstance(m, FSDPModule):
             m.reshard()
 
