@@ -17,15 +17,24 @@ from engine.inspect.safe_unpickle import ZIP_MAGIC
 
 # format key -> (reader, what it is, for messages and --help)
 READERS: dict[str, tuple[Callable, str]] = {
-    "rl-run": (rl_checkpoint.inspect_rl_run, "rl run root (step_N/ directories)"),
-    "rl": (rl_checkpoint.inspect_rl_step, "rl checkpoint (step_N/ with manifest.json, state/, rng/)"),
-    "verl-run": (verl_fsdp.inspect_verl_run, "verl save dir (latest_checkpointed_iteration.txt, global_step_N/)"),
-    "verl-fsdp": (verl_fsdp.inspect_verl_step, "verl FSDP checkpoint (actor/model_world_size_W_rank_R.pt)"),
-    "megatron-run": (megatron_dist.inspect_megatron_run, "Megatron save dir (latest_checkpointed_iteration.txt, iter_N/)"),
-    "megatron": (megatron_dist.inspect_megatron, "megatron-core dist_checkpointing dir (metadata.json + torch_dist)"),
-    "dcp": (dcp.inspect_dcp, "torch.distributed.checkpoint dir (.metadata + *.distcp)"),
-    "safetensors": (hf_safetensors.inspect_safetensors, "Hugging Face safetensors (file, or dir with index)"),
-    "torch-save": (torch_save.inspect_torch_save, "torch.save file (zip archive)"),
+    "rl-run": (rl_checkpoint.inspect_rl_run,
+               "rl run root (step_N/ directories)"),
+    "rl": (rl_checkpoint.inspect_rl_step,
+           "rl checkpoint (step_N/ with manifest.json, state/, rng/)"),
+    "verl-run": (verl_fsdp.inspect_verl_run,
+                 "verl save dir (latest_checkpointed_iteration.txt, global_step_N/)"),
+    "verl-fsdp": (verl_fsdp.inspect_verl_step,
+                  "verl FSDP checkpoint (actor/model_world_size_W_rank_R.pt)"),
+    "megatron-run": (megatron_dist.inspect_megatron_run,
+                     "Megatron save dir (latest_checkpointed_iteration.txt, iter_N/)"),
+    "megatron": (megatron_dist.inspect_megatron,
+                 "megatron-core dist_checkpointing dir (metadata.json + torch_dist)"),
+    "dcp": (dcp.inspect_dcp,
+            "torch.distributed.checkpoint dir (.metadata + *.distcp)"),
+    "safetensors": (hf_safetensors.inspect_safetensors,
+                    "Hugging Face safetensors (file, or dir with index)"),
+    "torch-save": (torch_save.inspect_torch_save,
+                   "torch.save file (zip archive)"),
 }
 
 

@@ -43,7 +43,9 @@ def is_rl_step(path: Path) -> bool:
         except (CheckpointError, AttributeError):
             return bool(STEP_DIR.match(path.name) or TMP_STEP_DIR.match(path.name))
     return (path / "state").is_dir() and ((path / "trainer.json").exists()
-                                          or (path / "rng").is_dir())
+                                          or (path / "rng").is_dir()
+                                          or bool(STEP_DIR.match(path.name)
+                                                  or TMP_STEP_DIR.match(path.name)))
 
 
 def is_rl_run(path: Path) -> bool:

@@ -311,7 +311,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # Python containers and scalars (pure data)
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): collections.defaultdict,
-    **{("builtins", n): getattr(builtins, n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "list", "dict", "tuple",
+    **{("builtins", n): getattr(builtins, n)
+       for n in ("set", "frozenset", "complex", "bytearray", "slice", "list", "dict", "tuple",
                  "int", "float", "str", "bool", "bytes")},
     ("_codecs", "encode"): _codecs_encode,
     ("argparse", "Namespace"): _record_type("argparse.Namespace"),
@@ -427,8 +428,7 @@ def load_pickle(data: bytes, *, source: str,
                                    persistent_load=persistent_load).load()
     except CheckpointError:
         raise
-    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, KeyError,
-            IndexError, AttributeError, struct.error, UnicodeDecodeError, MemoryError) as e:
+    except Exception as e:  # anything else while reading untrusted bytes means "corrupt"
         raise CheckpointError(
             f"{source} is truncated or corrupt (reading it as a pickle failed: "
             f"{type(e).__name__}: {e}). Copy it again from the machine that wrote it, or pick "

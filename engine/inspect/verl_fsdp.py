@@ -23,7 +23,7 @@ from typing import Optional
 from engine.errors import CheckpointError
 from engine.inspect.files import dir_size, list_files, read_json
 from engine.inspect.grouping import guess_group
-from engine.inspect.report import CheckpointReport, ObjectInfo, RunReport, StepInfo, TensorInfo
+from engine.inspect.report import CheckpointReport, RunReport, StepInfo, TensorInfo
 from engine.inspect.safe_unpickle import UnsafePickleError, read_torch_archive
 from engine.inspect.torch_save import entries
 

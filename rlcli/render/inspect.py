@@ -71,7 +71,8 @@ def render_checkpoint(rep, console: Console, keys: Optional[str] = None) -> None
     files.add_column("size", justify="right")
     for f in rep.files[:MAX_ROWS]:
         files.add_row(f.path, f"{f.bytes:,}", human_bytes(f.bytes))
-    files.add_row("[bold]total[/]", f"[bold]{rep.total_bytes:,}[/]", f"[bold]{human_bytes(rep.total_bytes)}[/]")
+    files.add_row("[bold]total[/]", f"[bold]{rep.total_bytes:,}[/]",
+                  f"[bold]{human_bytes(rep.total_bytes)}[/]")
     _more(files, len(rep.files), min(len(rep.files), MAX_ROWS), "files")
     console.print(files)
 

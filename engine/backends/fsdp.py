@@ -1,0 +1,272 @@
+"""FSDP2 backend: a transformers causal LM sharded with torch.distributed.fsdp.fully_shard.
+
+Data parallel over all ranks (gloo on CPU, nccl on CUDA). Every rank builds the same
+seeded model, shards each decoder layer and the root, and trains with AdamW on the local
+shards (DTensors). Gradients are reduced once per optimizer step (no sync on earlier
+micro-batches), and every rank runs the same number of micro-batches so collectives line up.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from engine.backends.base import OffloadReport, StepStats, TrainEngine
+from engine.backends.logprobs import token_log_probs
+from engine.backends.schedule import build_optimizer
+from engine.batch import SequenceBatch
+from engine.config.schema import RunConfig
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+class FSDPEngine(TrainEngine):
+    def __init__(self, cfg: RunConfig, model_path: str, vocab_size: int, pad_token_id: int,
+                 eos_token_id: int, device: torch.device, updates_per_step: int):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.total_updates = cfg.trainer.total_steps * updates_per_step
+        self.model = None
+        self.ref_model = None
+        self.optimizer = None
+        self._scheduler = None
+        self.bucket_policy = None
+        self._offloaded = False
+
+    # ---- build --------------------------------------------------------------------------
+    def build(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from engine.model.build import build_hf_model
+
+        c = self.cfg
+        model = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
+                               self.pad_token_id, self.eos_token_id)
+        if c.model.dtype != "float32":  # keep fp32 masters; compute in the low precision
+            model = model.float()
+        if c.engine.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        ref = copy.deepcopy(model).eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
+        for m in [model] + ([ref] if ref is not None else []):
+            m.to(self.device)
+            for layer in _decoder_layers(m):
+                fully_shard(layer, mesh=self.mesh, mp_policy=mp,
+                            reshard_after_forward=c.engine.reshard_after_forward)
+            fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)
+        self.model, self.ref_model = model, ref
+        if c.engine.compile:
+            self._forward = torch.compile(self.model.forward, dynamic=False)
+        self.optimizer, self._scheduler = build_optimizer(self.model.parameters(), c.optim, self.total_updates)
+        if c.engine.pad_to_length:
+            from engine.batching.buckets import make_bucket_policy
+            self.bucket_policy = make_bucket_policy(c.engine)
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def lr_scheduler(self):
+        return self._scheduler
+
+    # ---- forward ------------------------------------------------------------------------
+    def _forward_logits(self, model, mb: SequenceBatch) -> torch.Tensor:
+        fwd = getattr(self, "_forward", None) if model is self.model else None
+        fwd = fwd or model
+        out = fwd(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                  use_cache=False)
+        return out.logits
+
+    def _micro_batches(self, batch: SequenceBatch):
+        """This rank's micro-batches, padded to buckets, equal in number on every rank."""
+        try:
+            from engine.batching.microbatch import split_micro_batches
+        except ImportError:  # TEMP until engine/batching lands
+            split_micro_batches = _tmp_split
+        mbs = split_micro_batches(batch, self.cfg.engine, self.bucket_policy, self.pad_token_id)
+        n = torch.tensor([len(mbs)])
+        if self.world_size > 1:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        while len(mbs) < int(n):  # a zero-weight twin keeps collectives in step
+            mbs.append(_zero_weight(mbs[0]))
+        return mbs
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        model.eval()
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T)
+        ent_out = torch.zeros(B, T) if with_entropy else None
+        for mb in self._micro_batches(batch):
+            logits = self._forward_logits(model, mb.batch)
+            lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
+                                      with_entropy)
+            real = mb.indices >= 0
+            t = min(T, lp.shape[1])
+            out[mb.indices[real], :t] = lp[real, :t].float().cpu()
+            if with_entropy:
+                ent_out[mb.indices[real], :t] = ent[real, :t].float().cpu()
+        return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
+
+    def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
+        """One optimizer step on this rank's share of a mini-batch."""
+        self.model.train()
+        stats = StepStats()
+        n_tok = torch.tensor([batch.response_mask.sum().item(), float(len(batch))])
+        if self.world_size > 1:
+            dist.all_reduce(n_tok)
+        n_tokens, n_seqs = float(n_tok[0]), float(n_tok[1])
+        mbs = self._micro_batches(batch)
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(mbs):
+            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            logits = self._forward_logits(self.model, mb.batch)
+            lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
+                                      with_entropy=True)
+            dev_mb = _to_device(mb.batch, self.device)
+            loss, m = loss_fn(lp, ent.detach() if not loss_fn.needs_entropy else ent, dev_mb, n_tokens, n_seqs)
+            loss.backward()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            stats.tokens += int(mb.real_tokens)
+            stats.padded_tokens += int(mb.padded_tokens)
+            stats.shapes.add(tuple(mb.shape))
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._scheduler.step()
+        sums["grad_norm"] = float(grad_norm) / self.world_size  # summed over ranks by the trainer
+        sums["lr"] = self._scheduler.get_last_lr()[0] / self.world_size
+        stats.metrics = sums
+        return stats
+
+    # ---- rollout ------------------------------------------------------------------------
+    @contextmanager
+    def generation_model(self):
+        """Gather full weights once, keep them gathered while sampling (no collectives per
+        token, so ranks that finish early cannot deadlock), then reshard."""
+        m = self.model
+        m.eval()
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=True)
+        try:
+            yield m
+        finally:
+            m.set_reshard_after_forward(self.cfg.engine.reshard_after_forward, recurse=True)
+            m.reshard()
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                          broadcast_from_rank0=False))
+
+    # ---- memory -------------------------------------------------------------------------
+    def offload(self) -> OffloadReport:
+        from engine.memory.offload import offload_optimizer_state, offload_params
+
+        report = OffloadReport()
+        if self.cfg.engine.param_offload:
+            report = offload_params(self.model)
+        if self.cfg.engine.optimizer_offload:
+            r = offload_optimizer_state(self.optimizer)
+            report.optimizer_bytes = r.optimizer_bytes
+            report.note = report.note or r.note
+        self._offloaded = True
+        return report
+
+    def onload(self) -> OffloadReport:
+        from engine.memory.offload import onload_optimizer_state, onload_params
+
+        report = OffloadReport()
+        if not self._offloaded:
+            return report
+        if self.cfg.engine.param_offload:
+            report = onload_params(self.model, self.device)
+        if self.cfg.engine.optimizer_offload:
+            r = onload_optimizer_state(self.optimizer, self.device)
+            report.optimizer_bytes = r.optimizer_bytes
+        self._offloaded = False
+        return report
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def optimizer_coverage(self) -> dict[str, bool]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: bool(self.optimizer.state.get(p))
+                for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad}
+
+    def param_shapes(self) -> dict[str, dict]:
+        return {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+                for n, p in self.model.named_parameters()}
+
+
+def _to_device(b: SequenceBatch, device: torch.device) -> SequenceBatch:
+    if device.type == "cpu":
+        return b
+    out = {n: getattr(b, n).to(device) for n in b.tensor_fields()}
+    return SequenceBatch(**out, extras=b.extras)
+
+
+def _zero_weight(mb):
+    """A copy of ``mb`` whose rows count for nothing (loss and metrics 0), indices -1."""
+    twin = copy.copy(mb)
+    b = mb.batch
+    out = {n: getattr(b, n).clone() for n in b.tensor_fields()}
+    out["response_mask"] = torch.zeros_like(out["response_mask"])
+    twin.batch = SequenceBatch(**out, extras=b.extras)
+    twin.indices = torch.full_like(mb.indices, -1)
+    twin.real_tokens = 0
+    twin.padded_tokens = 0
+    return twin
+
+
+class _TmpMB:
+    def __init__(self, b, idx):
+        self.batch, self.indices = b, idx
+        self.real_tokens = int(b.attention_mask.sum())
+        self.padded_tokens = b.input_ids.numel()
+        self.shape = tuple(b.input_ids.shape)
+
+
+def _tmp_split(batch, ecfg, policy, pad):
+    size = ecfg.micro_batch_size or max(1, ecfg.max_tokens_per_micro_batch // max(1, batch.input_ids.shape[1]))
+    out = []
+    for s in range(0, len(batch), size):
+        idx = torch.arange(s, min(len(batch), s + size))
+        out.append(_TmpMB(batch.select(idx), idx))
+    return out

@@ -1,0 +1,448 @@
+"""Megatron backend: a megatron-core ``GPTModel`` with tensor + data parallelism behind
+``TrainEngine``, so the trainer, rollout, GRPO, checkpoints, resume and offload work as on FSDP2.
+
+Layout. ``torch.distributed`` is already initialised by the worker (gloo on CPU, nccl on
+CUDA); ``parallel_state`` carves it into TP groups of consecutive ranks and DP groups across
+them. ``dp_rank``/``dp_size`` tell the trainer how to shard data: the TP ranks of one DP group
+receive the same rows and compute the same thing (each on its slice of the weights). Pipeline
+and context parallelism are refused with a ConfigError (not implemented here).
+
+Weights. The policy is first built as the same transformers model the FSDP backend builds
+(``engine.model.build.build_hf_model``: a local HF directory, or the seeded tiny model), then
+converted into this TP rank's megatron layout (``hf_convert``). Both backends therefore start
+from identical weights, and that HF model object is kept as the full-weight generation model
+(refreshed from ``export_hf_state_dict()`` after every update).
+
+Gradients. megatron DDP accumulates into fp32 ``main_grad`` buffers and *averages* them over
+DP ranks, like FSDP; the trainer's ``PolicyLoss(world_size=dp_size)`` undoes that mean, so the
+result is the global-mini-batch gradient. Then ``MainGradAdamW`` (CPU) or megatron's optimizer
+(CUDA) clips and steps (see optimizer.py).
+
+Metrics. The trainer sums metrics and token counts over *all* ranks; the TP ranks of a DP
+group report the same thing, so each reports 1/tp of its metric sums and only TP rank 0
+reports token counts.
+
+Checkpoints. Keys are Hugging Face names (the FSDP backend's keys): ``model.<hf name>`` is the
+full fp32 main weight, the optimizer state is flattened like
+``torch.distributed.checkpoint.state_dict``'s ``flatten_optimizer_state_dict`` output
+(``state.<hf name>.exp_avg`` ...). Every rank offers full tensors; DCP writes each key once.
+Loading slices each rank's shard out of full tensors, so any TP/DP layout can resume any other
+(and an FSDP checkpoint). See docs/megatron.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from engine.backends.base import OffloadReport, StepStats, TrainEngine
+from engine.batch import SequenceBatch
+from engine.config.schema import RunConfig
+from engine.errors import ConfigError
+
+log = logging.getLogger("rl.megatron")
+
+# megatron-core warns at import that Apex/TE are absent; expected on CPU, noise in every run
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine and Apex) (is|are) not installed.*")
+
+
+class MegatronEngine(TrainEngine):
+    def __init__(self, cfg: RunConfig, model_path: str, vocab_size: int, pad_token_id: int,
+                 eos_token_id: int, device: torch.device, updates_per_step: int):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = torch.device(device)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.total_updates = cfg.trainer.total_steps * updates_per_step
+        self.notes: list[str] = []
+        self.model = None          # megatron DDP(GPTModel)
+        self.ref_model = None      # GPTModel, frozen
+        self.opt = None            # MainGradAdamW | MegatronOptimizer
+        self.bucket_policy = None
+        self._gen_model = None     # transformers model with full weights, for sampling
+        self._gen_stale = False
+        self._offloaded = False
+
+    # ---- build --------------------------------------------------------------------------
+    def _note(self, msg: str) -> None:
+        self.notes.append(msg)
+        log.warning(msg)
+
+    def _parallel_layout(self) -> tuple[int, bool]:
+        e = self.cfg.engine
+        tp = int(getattr(e, "tensor_model_parallel_size", 1))
+        pp = int(getattr(e, "pipeline_model_parallel_size", 1))
+        cp = int(getattr(e, "context_parallel_size", 1))
+        if pp != 1:
+            raise ConfigError("engine.pipeline_model_parallel_size > 1 is not supported by the megatron backend "
+                              "yet; set it to 1 (use tensor parallelism and data parallelism).",
+                              title="unsupported parallel layout")
+        if cp != 1:
+            raise ConfigError("engine.context_parallel_size > 1 is not supported by the megatron backend yet; "
+                              "set it to 1.", title="unsupported parallel layout")
+        if self.world_size % tp:
+            raise ConfigError(f"trainer.nprocs ({self.world_size}) must be a multiple of "
+                              f"engine.tensor_model_parallel_size ({tp}).", title="invalid parallel layout")
+        sp = bool(getattr(e, "sequence_parallel", False))
+        if sp and tp == 1:
+            self._note("engine.sequence_parallel is off: it needs tensor_model_parallel_size > 1")
+            sp = False
+        if sp and not self.use_te:
+            self._note("engine.sequence_parallel is off: megatron's local (non-Transformer-Engine) layers "
+                       "do not support it")
+            sp = False
+        return tp, sp
+
+    def _init_parallel_state(self, tp: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            if (ps.get_tensor_model_parallel_world_size() == tp
+                    and ps.get_pipeline_model_parallel_world_size() == 1):
+                return
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+
+    def build(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from engine.backends.megatron import cpu_shim
+        from engine.backends.megatron.hf_convert import hf_to_megatron, param_mappings
+        from engine.backends.megatron.model import (arch_from_hf_config, build_gpt_model, check_parallel_layout,
+                                                    te_available, transformer_config)
+        from engine.model.build import build_hf_model
+
+        c = self.cfg
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronEngine.build() needs torch.distributed initialised first")
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu and torch.cuda.is_available():
+            raise ConfigError("engine=megatron with trainer.device=cpu on a machine with CUDA is not supported "
+                              "(megatron-core would place tensors on the GPU); use trainer.device=cuda or "
+                              "engine=fsdp.", title="unsupported device")
+        cpu_shim.apply()  # no-op when CUDA is available
+        self.use_te = on_gpu and te_available()
+        if c.engine.fp8 and not self.use_te:
+            raise ConfigError("engine.fp8=true needs Transformer-Engine and a CUDA device; turn engine.fp8 off "
+                              "or install transformer-engine on a GPU machine.", title="unsupported option")
+        if c.engine.compile:
+            self._note("engine.compile is ignored by the megatron backend")
+        tp, sp = self._parallel_layout()
+        self._init_parallel_state(tp)
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), tp
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        with torch.random.fork_rng(devices=[]):   # megatron reseeds "CUDA" (= CPU via the shim)
+            tensor_parallel.model_parallel_cuda_manual_seed(c.trainer.seed)
+
+        hf = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
+                            self.pad_token_id, self.eos_token_id)
+        self.arch = arch_from_hf_config(hf.config, fused_norms=self.use_te)
+        check_parallel_layout(self.arch, tp)
+        self.dtype = getattr(torch, c.model.dtype)
+        self.tcfg = transformer_config(self.arch, dtype=self.dtype, tp=tp, sequence_parallel=sp, on_gpu=on_gpu,
+                                       fp8=c.engine.fp8, recompute=c.engine.gradient_checkpointing)
+        self.mappings = param_mappings(self.arch)
+        hf_sd = {k: v.detach() for k, v in hf.named_parameters()}
+        local = hf_to_megatron(hf_sd, self.arch, self.tp_rank, tp)
+
+        def make() -> torch.nn.Module:
+            m = build_gpt_model(self.arch, self.tcfg, self.use_te)
+            params = dict(m.named_parameters())
+            if set(params) != set(local):
+                raise RuntimeError(f"megatron parameter names differ from the HF mapping: "
+                                   f"{sorted(set(params) ^ set(local))}")
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(local[name])
+            return m.to(self.device)
+
+        gpt = make()
+        ref = make().eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
+        self._gen_model = hf.eval()
+        self._gen_model.requires_grad_(False)
+        del hf_sd, local
+
+        use_dist_opt = on_gpu and bool(getattr(c.engine, "use_distributed_optimizer", False))
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=use_dist_opt)
+        self.model = DistributedDataParallel(self.tcfg, ddp_cfg, gpt)
+        self.ref_model = ref
+        self._params = dict(self.model.module.named_parameters())
+        plist = [self._params[m.megatron_name] for m in self.mappings]
+        if on_gpu:
+            from engine.backends.megatron.optimizer import MegatronOptimizer
+
+            self.opt = MegatronOptimizer(self.model, plist, c.optim, self.total_updates, self.dtype, use_dist_opt)
+        else:
+            from engine.backends.megatron.optimizer import MainGradAdamW
+
+            self.opt = MainGradAdamW(plist, c.optim, self.total_updates,
+                                     ps.get_model_parallel_group(), self.tp_rank)
+        from engine.batching.buckets import make_bucket_policy
+
+        self.bucket_policy = make_bucket_policy(self._engine_cfg()) if c.engine.pad_to_length else None
+
+    def _engine_cfg(self):
+        """The engine config as this backend runs it (sequence parallel as actually used)."""
+        return replace(self.cfg.engine, sequence_parallel=bool(self.tcfg.sequence_parallel))
+
+    def param_count(self) -> int:
+        return sum(int(torch.Size(s["shape"]).numel()) for s in self.param_shapes().values())
+
+    def param_shapes(self) -> dict[str, dict]:
+        """Full (unsharded) shapes under HF names, as the manifest records them."""
+        a = self.arch
+        out = {}
+        for m in self.mappings:
+            p = self._params[m.megatron_name]
+            for name in m.hf_names:
+                out[name] = {"shape": list(_hf_shape(name, m.kind, p, a, self.tp_size)), "dtype": "float32"}
+        return out
+
+    @property
+    def lr_scheduler(self):
+        return self.opt.scheduler
+
+    # ---- forward ------------------------------------------------------------------------
+    def _forward_logits(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids -> [B, T, V/tp] logits (this rank's vocab slice)."""
+        b, t = ids.shape
+        ids = ids.to(self.device)
+        pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, -1)
+        # causal mask passed explicitly: megatron's default builds it with device="cuda"; TE
+        # layers apply causal masking themselves
+        mask = None if self.use_te else torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.device), 1)[None, None]
+        return model(ids, pos, attention_mask=mask)
+
+    def _token_log_probs(self, logits, ids, with_entropy: bool):
+        from engine.backends.megatron.vocab_parallel import token_log_probs_tp
+
+        v_local = logits.shape[-1]
+        return token_log_probs_tp(logits, ids.to(self.device), self.tp_rank * v_local, self.arch.vocab_size,
+                                  self.tp_group if self.tp_size > 1 else None, self.cfg.rollout.temperature,
+                                  with_entropy)
+
+    def _micro_batches(self, batch: SequenceBatch):
+        from engine.batching.microbatch import split_micro_batches
+
+        return split_micro_batches(batch, self._engine_cfg(), self.bucket_policy, self.pad_token_id)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        model.eval()
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T)
+        ent_out = torch.zeros(B, T) if with_entropy else None
+        for mb in self._micro_batches(batch):
+            logits = self._forward_logits(model, mb.batch.input_ids)
+            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy)
+            n, t = mb.num_rows, min(T, lp.shape[1])
+            out[mb.indices, :t] = lp[:n, :t].float().cpu()
+            if with_entropy:
+                ent_out[mb.indices, :t] = ent[:n, :t].float().cpu()
+        return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
+
+    def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
+        """One optimizer step on this DP group's share of a mini-batch."""
+        self.model.train()
+        stats = StepStats()
+        n_tok = torch.tensor([batch.response_mask.sum().item(), float(len(batch))])
+        if self.dp_size > 1:
+            dist.all_reduce(n_tok, group=self.dp_group)
+        n_tokens, n_seqs = float(n_tok[0]), float(n_tok[1])
+        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        self.model.zero_grad_buffer()
+        sums: dict[str, float] = {}
+        for mb in self._micro_batches(batch):
+            logits = self._forward_logits(self.model, mb.batch.input_ids)
+            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
+            dev_mb = _to_device(mb.batch, self.device)
+            loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
+            loss.backward()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / self.tp_size
+            if self.tp_rank == 0:
+                stats.tokens += int(mb.real_tokens)
+                stats.padded_tokens += int(mb.padded_tokens)
+            stats.shapes.add(tuple(mb.shape))
+        self.model.finish_grad_sync()
+        grad_norm = self.opt.step(self.cfg.optim.grad_clip)
+        self.opt.scheduler.step()
+        self._gen_stale = True
+        sums["grad_norm"] = grad_norm / self.world_size  # summed over ranks by the trainer
+        sums["lr"] = self.opt.scheduler.get_last_lr()[0] / self.world_size
+        stats.metrics = sums
+        return stats
+
+    # ---- rollout / export ---------------------------------------------------------------
+    def _gather_hf(self, local_of) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors from ``local_of(param)`` (this rank's TP shard) on every rank."""
+        from engine.backends.megatron.hf_convert import hf_from_shards
+
+        out: dict[str, torch.Tensor] = {}
+        for m in self.mappings:
+            t = local_of(self._params[m.megatron_name]).detach()
+            if self.tp_size > 1:
+                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            else:
+                parts = [t]
+            out.update({k: v.cpu() for k, v in hf_from_shards(m, parts, self.arch).items()})
+        return out
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._gather_hf(lambda p: p)
+
+    @contextmanager
+    def generation_model(self):
+        """The full-weight transformers model (every rank), refreshed after each update."""
+        m = self._gen_model
+        if self._gen_stale:
+            sd = self.export_hf_state_dict()
+            missing, unexpected = m.load_state_dict(sd, strict=False)
+            tied = {"lm_head.weight"} if self.arch.tie_word_embeddings else set()
+            if unexpected or set(missing) - tied:
+                raise RuntimeError(f"generation model sync: missing {missing}, unexpected {unexpected}")
+            self._gen_stale = False
+        if self.device.type == "cuda" and next(m.parameters()).device != self.device:
+            m.to(self.device)
+        m.eval()
+        yield m
+
+    # ---- memory -------------------------------------------------------------------------
+    def _param_modules(self) -> list:
+        return [x for x in (self.model, self.ref_model, self._gen_model) if x is not None]
+
+    def offload(self) -> OffloadReport:
+        """Params (and megatron's grad buffers) of the policy, reference and generation copy
+        to host; FP8 workspaces cleared on every param offload (offload_params does it via
+        engine.memory.fp8_workspaces.clear_fp8_workspaces); optimizer state to host."""
+        from engine.memory.offload import combine_reports, offload_optimizer_state, offload_params
+
+        reports = []
+        if self.cfg.engine.param_offload:
+            reports += [offload_params(m) for m in self._param_modules()]
+        if self.cfg.engine.optimizer_offload:
+            reports += [offload_optimizer_state(o) for o in self._optimizer_objects()]
+        self._offloaded = True
+        return combine_reports(*reports)
+
+    def onload(self) -> OffloadReport:
+        from engine.memory.offload import combine_reports, onload_optimizer_state, onload_params
+
+        if not self._offloaded:
+            return OffloadReport()
+        reports = []
+        if self.cfg.engine.param_offload:
+            reports += [onload_params(m, self.device) for m in self._param_modules()]
+        if self.cfg.engine.optimizer_offload:
+            reports += [onload_optimizer_state(o, self.device) for o in self._optimizer_objects()]
+        self._offloaded = False
+        return combine_reports(*reports)
+
+    def _optimizer_objects(self) -> list:
+        return [self.opt.megatron] if hasattr(self.opt, "megatron") else self.opt.torch_optimizers()
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """{"model": {hf name: full fp32 tensor}, "optim": flattened AdamW state by hf name}.
+        Collective over all ranks (TP gathers; DP gathers under DistributedOptimizer)."""
+        from engine.backends.megatron.hf_convert import hf_from_shards
+
+        model = self._gather_hf(lambda p: self.opt.main_param(p).float())
+        optim: dict = {}
+        hp = self.opt.group_hparams()
+        for m in self.mappings:
+            p = self._params[m.megatron_name]
+            st = self.opt.state(p) or self.opt.state_template(p)
+            step = torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(())
+            for key, v in st.items():
+                if key == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                v = v.detach().float().to(self.device)
+                if self.tp_size > 1:
+                    parts = [torch.empty_like(v) for _ in range(self.tp_size)]
+                    dist.all_gather(parts, v.contiguous(), group=self.tp_group)
+                else:
+                    parts = [v]
+                for name, full in hf_from_shards(m, parts, self.arch).items():
+                    optim[f"state.{name}.{key}"] = full.cpu()
+            for name in m.hf_names:
+                optim[f"state.{name}.step"] = step.clone()
+                for k, v in hp.items():
+                    optim[f"param_groups.{name}.{k}"] = v
+        return {"model": model, "optim": optim}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Slice this rank's TP shard out of the full tensors DCP loaded. Optimizer entries a
+        checkpoint lacks (``optimizer.param_state`` false, dropped by the loader) keep the live
+        optimizer's state."""
+        from engine.backends.megatron.hf_convert import shard_from_hf
+
+        model, optim = state.get("model", {}), state.get("optim", {})
+        for m in self.mappings:
+            p = self._params[m.megatron_name]
+            if all(n in model for n in m.hf_names):
+                full = {n: model[n] for n in m.hf_names}
+                local = shard_from_hf(m, full, self.arch, self.tp_rank, self.tp_size)
+                with torch.no_grad():
+                    self.opt.set_main_param(p, local.to(self.device, torch.float32))
+            first = m.hf_names[0]
+            keys = sorted({k[len(f"state.{first}."):] for k in optim if k.startswith(f"state.{first}.")})
+            tensor_keys = [k for k in keys if k != "step"]
+            if "step" not in keys or not all(f"state.{n}.{k}" in optim for n in m.hf_names for k in keys):
+                continue
+            values = {k: shard_from_hf(m, {n: optim[f"state.{n}.{k}"] for n in m.hf_names}, self.arch,
+                                       self.tp_rank, self.tp_size).float() for k in tensor_keys}
+            values["step"] = torch.as_tensor(optim[f"state.{first}.step"], dtype=torch.float32).reshape(()).clone()
+            self.opt.set_state(p, values)
+        groups = {k.split(".")[-1]: v for k, v in optim.items() if k.startswith("param_groups.")}
+        if groups:
+            self.opt.set_group_hparams(groups)
+        self._gen_stale = True
+
+    def optimizer_coverage(self) -> dict[str, bool]:
+        """Collective-free (rank 0 alone calls it): HF name -> does AdamW hold state for it."""
+        return {name: self.opt.has_state(self._params[m.megatron_name])
+                for m in self.mappings for name in m.hf_names}
+
+
+def _hf_shape(name: str, kind: str, p: torch.Tensor, arch, tp: int) -> tuple[int, ...]:
+    """Full HF shape of ``name`` from its megatron shard ``p``."""
+    a = arch
+    if kind == "replicated":
+        return tuple(p.shape)
+    if kind == "vocab":
+        return (a.vocab_size, a.hidden_size)
+    if kind == "row":
+        return (p.shape[0], p.shape[1] * tp)
+    if kind == "fc1":
+        return (a.intermediate_size, a.hidden_size)
+    if kind == "qkv":
+        rows = a.num_heads * a.head_dim if ".q_proj." in name else a.num_kv_heads * a.head_dim
+        return (rows,) + tuple(p.shape[1:])
+    raise ValueError(kind)
+
+
+def _to_device(b: SequenceBatch, device: torch.device) -> SequenceBatch:
+    if device.type == "cpu":
+        return b
+    out = {n: getattr(b, n).to(device) for n in b.tensor_fields()}
+    return SequenceBatch(**out, extras=b.extras)
+

@@ -1,0 +1,288 @@
+"""The megatron backend's optimizer: one interface, two implementations.
+
+megatron-core DDP accumulates every parameter's gradient into ``param.main_grad`` (a view
+into a contiguous fp32 buffer) and reduces those buffers over data-parallel ranks in
+``finish_grad_sync()``. What steps the weights then depends on the device:
+
+* ``MainGradAdamW`` (CPU, and anywhere megatron's own optimizers cannot run): torch AdamW
+  (``engine.backends.schedule.build_optimizer``, the same optimizer and LR schedule as the
+  FSDP backend) over fp32 main params. For fp32 models the main param *is* the model param;
+  for bf16 models it is an fp32 copy, written back after each step. ``main.grad`` is pointed
+  at ``main_grad``; the global norm counts tensor-parallel-duplicated params (norms) once and
+  all-reduces over the model-parallel group, then clips like ``torch.nn.utils.clip_grad_norm_``.
+  Every data-parallel replica sees the same reduced ``main_grad`` and takes the same step.
+* ``MegatronOptimizer`` (CUDA): ``megatron.core.optimizer.get_megatron_optimizer`` (fp32 main
+  params, fused clip, optional ``DistributedOptimizer`` sharding state over DP ranks). Not run
+  in this repo's CPU CI: megatron's optimizers allocate on ``device='cuda'`` unconditionally.
+
+Both expose per-model-parameter access to the fp32 main value and the Adam state, in full
+(unsharded over DP) form, which is what the checkpoint code converts to HF names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.backends.schedule import build_optimizer, lr_lambda
+from engine.config.schema import OptimConfig
+
+
+def _not_tp_duplicate(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class MainGradAdamW:
+    """torch AdamW on fp32 main params fed from megatron DDP's ``main_grad``."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, total_updates: int,
+                 model_parallel_group=None, tp_rank: int = 0):
+        self.params = params
+        self.mains: list[torch.nn.Parameter] = []
+        for p in params:
+            main = p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+            self.mains.append(main)
+        self._main_of = {id(p): m for p, m in zip(params, self.mains)}
+        self.optimizer, self.scheduler = build_optimizer(self.mains, cfg, total_updates)
+        self.mp_group = model_parallel_group
+        self.tp_rank = tp_rank
+
+    # -- stepping ---------------------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for p in self.params:
+            if _not_tp_duplicate(p, self.tp_rank):
+                sq += p.main_grad.float().pow(2).sum()
+        if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
+            dist.all_reduce(sq, group=self.mp_group)
+        return sq.sqrt()
+
+    def step(self, clip: float) -> float:
+        """Clip (``clip`` <= 0: off), step, copy fp32 mains back. Returns the pre-clip norm."""
+        norm = self.grad_norm()
+        coef = 1.0
+        if clip > 0:
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for p, main in zip(self.params, self.mains):
+            g = p.main_grad
+            main.grad = (g * coef) if clip > 0 else g
+        self.optimizer.step()
+        for p, main in zip(self.params, self.mains):
+            main.grad = None
+            if main is not p:
+                p.data.copy_(main.data)
+        return float(norm)
+
+    # -- per-parameter access (full tensors; this rank's TP shard) ----------------------------
+    def main_param(self, p) -> torch.Tensor:
+        return self._main_of[id(p)]
+
+    def state(self, p) -> dict:
+        return self.optimizer.state.get(self._main_of[id(p)], {})
+
+    def has_state(self, p) -> bool:
+        return bool(self.optimizer.state.get(self._main_of[id(p)]))
+
+    def set_state(self, p, values: dict) -> None:
+        main = self._main_of[id(p)]
+        self.optimizer.state[main] = {k: v.to(main.device) if k != "step" else v.float()
+                                      for k, v in values.items()}
+
+    def set_main_param(self, p, value: torch.Tensor) -> None:
+        main = self._main_of[id(p)]
+        main.data.copy_(value)
+        if main is not p:
+            p.data.copy_(main.data)
+
+    def group_hparams(self) -> dict:
+        g = self.optimizer.param_groups[0]
+        return {k: v for k, v in g.items() if k != "params"}
+
+    def set_group_hparams(self, values: dict) -> None:
+        for g in self.optimizer.param_groups:
+            for k, v in values.items():
+                if k in g and k != "params":
+                    g[k] = type(g[k])(v) if isinstance(g[k], tuple) else v
+
+    def state_template(self, p) -> dict:
+        """AdamW's initial state for ``p`` (what a first step would create, step 0)."""
+        main = self._main_of[id(p)]
+        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(main),
+                "exp_avg_sq": torch.zeros_like(main)}
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+
+class ChainedLambdaLR:
+    """One LR schedule over the torch optimizers inside a megatron ``ChainedOptimizer``; its
+    state dict is LambdaLR's (the trainer saves and restores it like the FSDP backend's)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: OptimConfig, total_updates: int):
+        f = lr_lambda(cfg, total_updates)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, f) for o in optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(sd)
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer (CUDA only), behind ``MainGradAdamW``'s interface.
+
+    NOT RUN in this repository's CI (no GPU): written against megatron-core 0.16.1's
+    Float16OptimizerWithFloat16Params / FP32Optimizer / DistributedOptimizer internals.
+    """
+
+    def __init__(self, ddp_model, params: list[torch.nn.Parameter], cfg: OptimConfig, total_updates: int,
+                 dtype: torch.dtype, use_distributed_optimizer: bool):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
+                               adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+                               clip_grad=cfg.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                               use_distributed_optimizer=use_distributed_optimizer)
+        self.megatron = get_megatron_optimizer(ocfg, [ddp_model])
+        self.params = params
+        self.optimizer = None
+        self.scheduler = ChainedLambdaLR(self.torch_optimizers(), cfg, total_updates)
+        self._index()
+
+    def _chain(self) -> list:
+        return list(getattr(self.megatron, "chained_optimizers", None) or [self.megatron])
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o.optimizer for o in self._chain()]
+
+    def _index(self) -> None:
+        """model param -> (wrapper optimizer, its fp32 main param, or None under
+        DistributedOptimizer where each DP rank holds only a slice)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self._where: dict[int, tuple[object, torch.Tensor | None]] = {}
+        for opt in self._chain():
+            if isinstance(opt, DistributedOptimizer):
+                for p in self.params:          # every param, even with no slice on this rank
+                    self._where.setdefault(id(p), (opt, None))
+            elif hasattr(opt, "float16_groups"):          # Float16OptimizerWithFloat16Params
+                for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                    for p, main in zip(mg, fg):
+                        self._where[id(p)] = (opt, main)
+                for g in opt.fp32_from_fp32_groups:
+                    for p in g:
+                        self._where[id(p)] = (opt, p)
+            else:                                          # FP32Optimizer: the param is its own main
+                for g in opt.optimizer.param_groups:
+                    for p in g["params"]:
+                        self._where[id(p)] = (opt, p)
+
+    def step(self, clip: float) -> float:
+        ok, grad_norm, _ = self.megatron.step()
+        return float(grad_norm) if grad_norm is not None else 0.0
+
+    # ---- full (DP-unsharded) per-param views; collective under DistributedOptimizer ----------
+    _DIST_KEYS = ("exp_avg", "exp_avg_sq")
+
+    @staticmethod
+    def _local_slice(opt, p):
+        if p not in opt.model_param_group_index_map:
+            return None, None
+        return opt._get_main_param_and_optimizer_states(p), opt._get_model_param_range_map(p)["param"]
+
+    def _dist_full(self, opt, p, keys) -> dict:
+        local, rng = self._local_slice(opt, p)
+        out = {}
+        for k in keys:
+            full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            if local is not None and k in local:
+                full[rng.start:rng.end] = local[k].detach().float().view(-1)
+            dist.all_reduce(full, group=opt.data_parallel_group)
+            out[k] = full.view(p.shape)
+        return out
+
+    @staticmethod
+    def _step_of(opt) -> torch.Tensor:
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                return torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().clone()
+        return torch.tensor(float(opt.optimizer.param_groups[0].get("step", 0)))
+
+    def main_param(self, p) -> torch.Tensor:
+        opt, main = self._where[id(p)]
+        if main is not None:
+            return main
+        return self._dist_full(opt, p, ("param",))["param"]
+
+    def has_state(self, p) -> bool:
+        """Collective-free: does the optimizer hold Adam state for ``p``'s (slice of) values."""
+        opt, main = self._where[id(p)]
+        return bool(opt.optimizer.state.get(main)) if main is not None else bool(opt.optimizer.state)
+
+    def state(self, p) -> dict:
+        opt, main = self._where[id(p)]
+        if main is not None:
+            st = dict(opt.optimizer.state.get(main, {}))
+            if st and "step" not in st:                   # TE FusedAdam keeps step per group
+                st["step"] = self._step_of(opt)
+            return st
+        if not opt.optimizer.state:
+            return {}
+        st = self._dist_full(opt, p, self._DIST_KEYS)
+        st["step"] = self._step_of(opt)
+        return st
+
+    def set_state(self, p, values: dict) -> None:
+        opt, main = self._where[id(p)]
+        if main is not None:
+            st = opt.optimizer.state.setdefault(main, {})
+            for k, v in values.items():
+                st[k] = v.to(main.device) if k != "step" else v
+            return
+        local, rng = self._local_slice(opt, p)
+        if local is None:
+            return
+        for k, v in values.items():
+            if k in local and isinstance(local[k], torch.Tensor) and local[k].dim() > 0:
+                local[k].copy_(v.reshape(-1)[rng.start:rng.end].view_as(local[k]))
+
+    def set_main_param(self, p, value: torch.Tensor) -> None:
+        opt, main = self._where[id(p)]
+        if main is not None:
+            main.data.copy_(value)
+        else:
+            local, rng = self._local_slice(opt, p)
+            if local is not None:
+                local["param"].data.copy_(value.reshape(-1)[rng.start:rng.end].view_as(local["param"]))
+        p.data.copy_(value)
+
+    def state_template(self, p) -> dict:
+        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+
+    def group_hparams(self) -> dict:
+        g = self.torch_optimizers()[0].param_groups[0]
+        return {k: v for k, v in g.items() if k in ("lr", "initial_lr", "betas", "eps", "weight_decay")}
+
+    def set_group_hparams(self, values: dict) -> None:
+        for o in self.torch_optimizers():
+            for g in o.param_groups:
+                for k in ("lr", "initial_lr"):
+                    if k in values and k in g:
+                        g[k] = values[k]
+
+    def ensure_state(self) -> None:
+        """Materialise Adam state before a checkpoint load (megatron's dummy-step helper)."""
+        for opt in self._chain():
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if init is not None:
+                init()

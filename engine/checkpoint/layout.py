@@ -1,0 +1,110 @@
+"""Where checkpoints live on disk and which are complete (docs/checkpoint-format.md).
+
+A step directory is complete iff its manifest.json exists; "latest" is always derived from
+the disk, never from a pointer file that can go stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp-step_"
+MANIFEST = "manifest.json"
+FORMAT = "rl-checkpoint"
+RUN_FORMAT = "rl-run"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepDir:
+    path: Path
+    step: int
+
+    @property
+    def complete(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+    def manifest(self) -> dict:
+        return json.loads((self.path / MANIFEST).read_text())
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def list_steps(run_dir: Path) -> list[StepDir]:
+    """Every step_N directory under ``run_dir``, complete or not, by step."""
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(StepDir(p, int(m.group(1))))
+    return sorted(out, key=lambda s: s.step)
+
+
+def complete_steps(run_dir: Path) -> list[StepDir]:
+    return [s for s in list_steps(run_dir) if s.complete]
+
+
+def latest_complete(run_dir: Path) -> StepDir | None:
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "run.json").is_file() or bool(list_steps(path))
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to ``path`` so a crash leaves either the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and stale temp dirs.
+    Incomplete step_N dirs are left alone (someone may be inspecting them)."""
+    removed = []
+    for p in run_dir.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    if keep_last > 0:
+        for s in complete_steps(run_dir)[:-keep_last]:
+            # rename first so a crash mid-delete never leaves a half checkpoint named step_N
+            doomed = run_dir / f".deleting-{s.path.name}"
+            os.replace(s.path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(s.path)
+    return removed

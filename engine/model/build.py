@@ -1,0 +1,47 @@
+"""Build the policy as a transformers causal LM: from a local HF directory or the tiny
+built-in Llama-style config (random init, fully offline)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.schema import ModelConfig, TaskConfig
+from engine.errors import ConfigError
+
+
+def tiny_hf_config(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0, eos_token_id: int = 1):
+    from transformers import LlamaConfig, Qwen2Config
+
+    if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({cfg.hidden_size}) must divide by model.num_attention_heads "
+            f"({cfg.num_attention_heads}), which must divide by model.num_key_value_heads ({cfg.num_key_value_heads}).",
+            title="invalid config value")
+    common = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                  num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+                  tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=pad_token_id,
+                  eos_token_id=eos_token_id, bos_token_id=None, rms_norm_eps=1e-6, rope_theta=10000.0)
+    if cfg.attention_bias:  # Qwen2: bias on q/k/v only
+        return Qwen2Config(**common)
+    return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+
+
+def build_hf_model(cfg: ModelConfig, path: str, vocab_size: int, seed: int,
+                   pad_token_id: int = 0, eos_token_id: int = 1) -> torch.nn.Module:
+    """The policy on CPU in cfg.dtype. ``path`` empty -> tiny random init seeded by ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                     attn_implementation="sdpa")
+    else:
+        hf_cfg = tiny_hf_config(cfg, vocab_size, pad_token_id, eos_token_id)
+        hf_cfg._attn_implementation = "sdpa"
+        devrng = torch.random.fork_rng()
+        with devrng:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    model.config.use_cache = True
+    return model

@@ -1,0 +1,76 @@
+"""Tokenizers: a character-level one built offline for built-in tasks, and an adapter over
+Hugging Face tokenizers for real models. Both expose the same small surface."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_token_id: int
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet, plus <pad>=0, <eos>=1, <unk>=2."""
+
+    SPECIALS = ("<pad>", "<eos>", "<unk>")
+
+    def __init__(self, alphabet: str):
+        chars = sorted(set(alphabet))
+        self.itos = list(self.SPECIALS) + chars
+        self.stoi = {c: i for i, c in enumerate(self.itos)}
+        self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
+        self.vocab_size = len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(c, self.unk_token_id) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        out = []
+        for i in ids:
+            if i == self.eos_token_id:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(self.itos[i])
+        return "".join(out)
+
+
+class HFTokenizer:
+    """Adapter over a transformers tokenizer; optionally applies its chat template."""
+
+    def __init__(self, path: str, chat_template: bool = False):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.chat_template = chat_template and getattr(self.tok, "chat_template", None) is not None
+        self.eos_token_id = int(self.tok.eos_token_id)
+        pad = self.tok.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
+        self.vocab_size = len(self.tok)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            ids = self.tok.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    return tok.encode_prompt(text) if hasattr(tok, "encode_prompt") else tok.encode(text)

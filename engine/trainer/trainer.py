@@ -1,0 +1,195 @@
+"""`train()`: the GRPO loop, readable top to bottom.
+
+    rollout (ranks sample n responses per prompt)  ->  reward (driver, task's rule)
+    -> advantages (GRPO, per prompt group)  ->  reference / old log-probs (ranks)
+    -> policy update (ranks, PPO-clip, micro-batched)  ->  metrics, checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.algorithms.advantages import grpo_advantages, token_advantages
+from engine.batch import SequenceBatch
+from engine.config.schema import RunConfig
+from engine.trainer.data import PromptStream
+from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
+from engine.trainer.run_dir import RunDir
+from engine.trainer.setup import RunInputs, prepare_inputs
+
+
+def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
+          on_event: Callable[[object], None] = lambda e: None, resume=None) -> RunSummary:
+    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan)."""
+    t_start = time.perf_counter()
+    inputs = prepare_inputs(cfg)  # task, tokenizer, encoded prompts, model path
+    rdir = RunDir(run_dir)
+    if resume is None:
+        rdir.create(cfg, overrides or [], overwrite=cfg.checkpoint.overwrite)
+    stream = PromptStream(len(inputs.train_prompts), cfg.trainer.seed, cfg.data.shuffle)
+    start_step = 0
+
+    from engine.trainer.ray_cluster import ray_cluster
+    from engine.trainer.worker_group import WorkerGroup
+
+    with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1):
+        workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab)
+        try:
+            if resume is not None:
+                start_step = resume.apply(workers, stream)
+            on_event(_plan(cfg, inputs, workers, start_step, changed or {}, run_dir))
+            records: list[StepRecord] = []
+            val_before = val_after = None
+            if cfg.trainer.val_freq and start_step == 0:
+                v = validate(cfg, inputs, workers, start_step)
+                val_before = v.accuracy if v.accuracy is not None else v.reward
+                on_event(v)
+            checkpoints = []
+            for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+                rec = rl_step(cfg, inputs, workers, stream, step)
+                last = step == cfg.trainer.total_steps
+                if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
+                    v = validate(cfg, inputs, workers, step)
+                    rec.val_accuracy, rec.val_reward = v.accuracy, v.reward
+                    val_after = v.accuracy if v.accuracy is not None else v.reward
+                if (cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
+                        (last and cfg.checkpoint.save_final):
+                    rec.checkpoint = str(rdir.save(cfg, workers, step, stream))
+                    checkpoints.append(rec.checkpoint)
+                rdir.append_metrics(rec)
+                records.append(rec)
+                on_event(rec)
+        finally:
+            workers.shutdown()
+    rewards = [r.reward_mean for r in records]
+    summary = RunSummary(
+        steps_run=len(records), first_step=start_step + 1, last_step=start_step + len(records),
+        reward_first10=_mean(rewards[:10]), reward_last10=_mean(rewards[-10:]),
+        wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
+        checkpoints=checkpoints, val_before=val_before, val_after=val_after)
+    on_event(summary)
+    return summary
+
+
+def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, step: int) -> StepRecord:
+    timing = {}
+    t0 = time.perf_counter()
+
+    # 1. rollout: n samples per prompt, prompt-major
+    idx = stream.next_indices(cfg.data.train_batch_size)
+    examples = [inputs.task.train[i] for i in idx]
+    prompts = [inputs.train_prompts[i] for i in idx]
+    n = cfg.algorithm.rollout_n
+    batch, gen_stats = workers.generate(prompts, n)
+    timing["rollout"] = time.perf_counter() - t0
+
+    # 2. reward (rule-based, on the driver)
+    t = time.perf_counter()
+    responses = decode_responses(inputs.tokenizer, batch)
+    rewards = torch.tensor([inputs.task.reward(examples[i // n].prompt, r, examples[i // n].answer)
+                            for i, r in enumerate(responses)], dtype=torch.float32)
+    correct = None
+    if inputs.task.correct is not None:
+        correct = sum(bool(inputs.task.correct(examples[i // n].prompt, r, examples[i // n].answer))
+                      for i, r in enumerate(responses)) / len(responses)
+    timing["reward"] = time.perf_counter() - t
+
+    # 3. advantages (GRPO: normalised within each prompt's group)
+    seq_adv = grpo_advantages(rewards, n, cfg.algorithm.norm_adv_by_std and cfg.algorithm.name == "grpo")
+    batch.advantages = token_advantages(seq_adv, batch.response_mask)
+
+    # 4. reference and old log-probs
+    t = time.perf_counter()
+    kl_reward = None
+    if cfg.algorithm.kl_coef > 0:
+        batch.ref_log_probs = workers.log_probs(batch, ref=True)
+        if not cfg.algorithm.use_kl_loss:  # KL as a reward penalty, folded into the advantages
+            from engine.algorithms.policy_loss import kl_penalty
+            kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
+            kl_reward = float(kl_tok.sum() / batch.response_mask.sum().clamp(min=1))
+            batch.advantages = batch.advantages - cfg.algorithm.kl_coef * kl_tok
+    mini = cfg.algorithm.ppo_mini_batch_size or cfg.data.train_batch_size
+    n_updates = cfg.algorithm.ppo_epochs * (cfg.data.train_batch_size // mini)
+    if n_updates > 1:  # with one update per step, old == current policy exactly
+        batch.old_log_probs = workers.log_probs(batch, ref=False)
+    timing["log_probs"] = time.perf_counter() - t
+
+    # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each
+    t = time.perf_counter()
+    totals: dict[str, float] = {}
+    tokens = padded = 0
+    shapes: set = set()
+    peak = max(s["rss_peak"] for s in gen_stats)
+    rows_per_mini = mini * n
+    for _epoch in range(cfg.algorithm.ppo_epochs):
+        for start in range(0, len(batch), rows_per_mini):
+            mb = batch.select(slice(start, start + rows_per_mini))
+            outs = workers.train_step(mb)
+            for o in outs:
+                for k, v in o["metrics"].items():
+                    totals[k] = totals.get(k, 0.0) + v
+                tokens += o["tokens"]
+                padded += o["padded_tokens"]
+                shapes.update(tuple(s) for s in o["shapes"])
+                peak = max(peak, o["rss_peak"])
+    timing["update"] = time.perf_counter() - t
+    per_update = {k: v / n_updates for k, v in totals.items()}
+    if kl_reward is not None:
+        per_update["kl"] = kl_reward
+    resp_tokens = float(batch.response_mask.sum())
+    return StepRecord(
+        step=step, reward_mean=float(rewards.mean()), accuracy=correct, kl=per_update.get("kl"),
+        pg_loss=per_update.get("pg_loss", 0.0), entropy=per_update.get("entropy"),
+        grad_norm=per_update.get("grad_norm", 0.0), lr=per_update.get("lr", 0.0),
+        response_len_mean=resp_tokens / len(batch),
+        rollout_tokens_per_s=resp_tokens / max(timing["rollout"], 1e-9),
+        update_tokens_per_s=tokens / max(timing["update"], 1e-9),
+        step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
+        pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
+        timing=timing)
+
+
+def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validation:
+    """Greedy generation on the held-out split: accuracy (if the task defines it) and reward."""
+    if not inputs.val_prompts:
+        return Validation(step, None, 0.0)
+    batch, _ = workers.generate(inputs.val_prompts, 1, greedy=True)
+    responses = decode_responses(inputs.tokenizer, batch)
+    ex = inputs.task.val
+    reward = sum(inputs.task.reward(e.prompt, r, e.answer) for e, r in zip(ex, responses)) / len(ex)
+    acc = None
+    if inputs.task.correct is not None:
+        acc = sum(bool(inputs.task.correct(e.prompt, r, e.answer)) for e, r in zip(ex, responses)) / len(ex)
+    return Validation(step, acc, reward)
+
+
+def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:
+    out = []
+    for i in range(len(batch)):
+        ids = batch.input_ids[i][batch.response_mask[i] > 0].tolist()
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: dict, run_dir: Path) -> RunPlan:
+    c = cfg
+    key = {"data.train_batch_size": c.data.train_batch_size, "algorithm.rollout_n": c.algorithm.rollout_n,
+           "optim.lr": c.optim.lr, "algorithm.kl_coef": c.algorithm.kl_coef,
+           "algorithm.loss_agg_mode": c.algorithm.loss_agg_mode, "rollout.temperature": c.rollout.temperature,
+           "rollout.max_new_tokens": c.rollout.max_new_tokens, "engine.pad_to_length": c.engine.pad_to_length}
+    return RunPlan(engine=c.engine.name, model=c.model.path or c.model.preset, num_params=workers.info[0]["params"],
+                   ranks=c.trainer.nprocs, dp_size=workers.dp_size, device=workers.info[0]["device"],
+                   task=c.task.name, num_train=len(inputs.train_prompts), num_val=len(inputs.val_prompts),
+                   total_steps=c.trainer.total_steps, start_step=start_step, rollout=c.rollout.name,
+                   key_settings=key, changed=changed, run_dir=str(run_dir))

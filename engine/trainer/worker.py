@@ -1,0 +1,120 @@
+"""One training rank: a Ray actor that owns the engine (policy, reference, optimizer) and
+the sampler, inside a torch.distributed process group shared with the other ranks."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from engine.batch import SequenceBatch
+from engine.config.schema import RunConfig
+
+
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RankWorker:
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, init_method: str, model_path: str,
+                 vocab: dict, threads: int):
+        from engine.config.validate import build_run_config
+
+        self.cfg: RunConfig = build_run_config(cfg_dict)
+        self.rank, self.world_size = rank, world_size
+        self.init_method = init_method
+        self.model_path = model_path
+        self.vocab = vocab
+        torch.set_num_threads(max(1, threads))
+        torch.use_deterministic_algorithms(False)
+
+    # ---- setup --------------------------------------------------------------------------
+    def setup(self) -> dict:
+        import torch.distributed as dist
+
+        from engine.device import dist_backend, resolve_device
+
+        self.device = resolve_device(self.cfg.trainer.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(dist_backend(self.device), init_method=self.init_method,
+                                rank=self.rank, world_size=self.world_size)
+        self.engine = self._make_engine()
+        torch.manual_seed(self.cfg.trainer.seed)
+        self.engine.build()
+        from engine.rollout.torch_sampler import TorchSampler
+
+        self.sampler = TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device)
+        self.dp_rank, self.dp_size = getattr(self.engine, "dp_rank", self.rank), getattr(self.engine, "dp_size",
+                                                                                        self.world_size)
+        self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "device": str(self.device), "params": self.engine.param_count(),
+                "pid": os.getpid()}
+
+    def _make_engine(self):
+        c = self.cfg
+        mini = c.algorithm.ppo_mini_batch_size or c.data.train_batch_size
+        updates = c.algorithm.ppo_epochs * (c.data.train_batch_size // mini)
+        args = (c, self.model_path, self.vocab["size"], self.vocab["pad"], self.vocab["eos"], self.device, updates)
+        if c.engine.name == "megatron":
+            from engine.backends.megatron.engine import MegatronEngine
+            return MegatronEngine(*args)
+        from engine.backends.fsdp import FSDPEngine
+        return FSDPEngine(*args)
+
+    # ---- phases -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
+        t0 = time.perf_counter()
+        self.engine.onload()
+        with self.engine.generation_model() as model:
+            batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
+        return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
+                       "rss_peak": rss_peak_bytes()}
+
+    def log_probs(self, batch: SequenceBatch, ref: bool = False) -> torch.Tensor:
+        lp, _ = self.engine.compute_log_probs(batch, ref=ref)
+        return lp
+
+    def train_step(self, batch: SequenceBatch) -> dict:
+        from engine.algorithms.policy_loss import PolicyLoss
+
+        t0 = time.perf_counter()
+        stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
+        return {"metrics": stats.metrics, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
+                "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
+
+    def offload(self) -> dict:
+        return asdict(self.engine.offload())
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save(self, run_dir: str, step: int) -> dict:
+        from engine.checkpoint.save import rng_state, save_rank_state
+
+        save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank, rng_state(self.generator))
+        return {"lr_scheduler": self.engine.lr_scheduler.state_dict()}
+
+    def checkpoint_facts(self) -> dict:
+        """What the manifest records about the model and optimizer (rank 0 asks)."""
+        return {"param_state": self.engine.optimizer_coverage(),
+                "params": self.engine.param_shapes() if hasattr(self.engine, "param_shapes") else {},
+                "num_params": self.engine.param_count()}
+
+    def load(self, step_dir: str, plan: dict) -> dict:
+        from engine.checkpoint.load import load_rank_state
+
+        return load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
+
+    def bucket_state(self) -> list:
+        p = getattr(self.engine, "bucket_policy", None)
+        return p.state_dict() if p is not None else []
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,60 @@
+"""`rl train`: compose the config, launch the run, render what it reports."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+EPILOG = """[bold]Examples[/]
+
+  rl train                                        [dim]# embedded default: tiny model, echo task, fsdp, CPU[/]
+  rl train --engine fsdp trainer.total_steps=50 algorithm.rollout_n=8 data.train_batch_size=16
+  rl train --engine fsdp trainer.nprocs=2         [dim]# two data-parallel ranks (gloo on CPU, nccl on GPU)[/]
+  rl train --engine megatron trainer.nprocs=2 engine.tensor_model_parallel_size=2
+  rl train task=add optim.lr=5e-3
+  rl train model.path=/models/Qwen2.5-0.5B task=jsonl task.path=prompts.jsonl task.reward_fn=mypkg.rewards:exact_match
+  rl train --dry-run engine.pad_to_length=true    [dim]# validate and print the plan, run nothing[/]
+
+Every key: docs/config-reference.md. Continue a run: [bold]rl resume ckpt/[/]."""
+
+
+def complete_engine(incomplete: str):
+    from rlcli.completion_keys import engine_options
+
+    return [e for e in engine_options() if e.startswith(incomplete)]
+
+
+def complete_override(incomplete: str):
+    from rlcli.completion_keys import complete_override as _complete
+
+    return _complete(incomplete)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train", epilog=EPILOG, rich_help_panel="Run")
+    def train(
+        overrides: Annotated[Optional[list[str]], typer.Argument(
+            help="Hydra-style overrides: key=value (e.g. trainer.total_steps=50) or group=option (task=add).",
+            show_default=False, autocompletion=complete_override)] = None,
+        engine: Annotated[Optional[str], typer.Option(
+            "--engine", "-e", help="Training backend: fsdp or megatron (same as engine=<name>).",
+            autocompletion=complete_engine, rich_help_panel="Engine")] = None,
+        dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="Validate the config and print the resolved plan; run nothing.",
+            rich_help_panel="Output")] = False,
+        json_out: Annotated[bool, typer.Option(
+            "--json", help="Print the final summary as JSON on stdout (progress goes to stderr).",
+            rich_help_panel="Output")] = False,
+    ) -> None:
+        """Launch an RL run: rollout, reward, advantages, policy update, checkpoints."""
+        from rlcli.output import call_engine
+        from rlcli.run_render import render_config, run_and_render
+
+        from engine.config.load import load_run_config
+
+        loaded = call_engine(load_run_config, list(overrides or []), engine=engine)
+        if dry_run:
+            render_config(loaded, json_out)
+            return
+        run_and_render(loaded.config, overrides=loaded.overrides, changed=loaded.changed, json_out=json_out)

@@ -1,0 +1,99 @@
+"""Rich rendering of a run: the resolved plan, one row per step, the final summary."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+STEP_COLUMNS = [  # header, width, getter
+    ("step", 5, lambda r: f"{r.step}"),
+    ("reward", 7, lambda r: f"{r.reward_mean:.3f}"),
+    ("acc", 6, lambda r: "-" if r.accuracy is None else f"{r.accuracy:.2f}"),
+    ("kl", 7, lambda r: "-" if r.kl is None else f"{r.kl:.4f}"),
+    ("pg_loss", 8, lambda r: f"{r.pg_loss:+.4f}"),
+    ("entropy", 7, lambda r: "-" if r.entropy is None else f"{r.entropy:.3f}"),
+    ("resp_len", 8, lambda r: f"{r.response_len_mean:.1f}"),
+    ("roll tok/s", 10, lambda r: f"{r.rollout_tokens_per_s:,.0f}"),
+    ("upd tok/s", 10, lambda r: f"{r.update_tokens_per_s:,.0f}"),
+    ("pad%", 5, lambda r: f"{100 * r.pad_fraction:.0f}"),
+    ("step s", 6, lambda r: f"{r.step_time_s:.2f}"),
+    ("peak mem", 9, lambda r: human_bytes(r.peak_mem_bytes)),
+    ("val", 6, lambda r: "" if r.val_accuracy is None and r.val_reward is None
+     else f"{r.val_accuracy if r.val_accuracy is not None else r.val_reward:.2f}"),
+]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def plan_table(plan) -> Table:
+    t = Table(title="rl train", show_header=False, title_justify="left", title_style="bold")
+    t.add_column(style="cyan", no_wrap=True)
+    t.add_column()
+    t.add_row("engine", f"{plan.engine}  ({plan.ranks} rank{'s' if plan.ranks > 1 else ''}, dp={plan.dp_size}, "
+                        f"{plan.device})")
+    t.add_row("model", f"{plan.model}  ({plan.num_params:,} params)")
+    t.add_row("task", f"{plan.task}  ({plan.num_train} train / {plan.num_val} held-out prompts)")
+    t.add_row("rollout", plan.rollout)
+    t.add_row("steps", f"{plan.start_step + 1} .. {plan.total_steps}")
+    for k, v in plan.key_settings.items():
+        mark = "  [yellow](changed)[/]" if k in plan.changed else ""
+        t.add_row(k, f"{v}{mark}")
+    for k, (old, new) in plan.changed.items():
+        if k not in plan.key_settings:
+            t.add_row(k, f"{new}  [yellow](default {old})[/]")
+    t.add_row("run dir", plan.run_dir)
+    return t
+
+
+class StepPrinter:
+    """Prints one aligned row per step (works in terminals and in logs/pipes)."""
+
+    def __init__(self, console: Console, log_freq: int = 1):
+        self.console = console
+        self.log_freq = log_freq
+        self.rows = 0
+
+    def _table(self, header: bool) -> Table:
+        t = Table(box=None, show_header=header, header_style="bold", pad_edge=False, padding=(0, 1))
+        for name, width, _ in STEP_COLUMNS:
+            t.add_column(name, width=width, justify="right", no_wrap=True)
+        return t
+
+    def step(self, rec) -> None:
+        if rec.step % self.log_freq and rec.checkpoint is None and rec.val_accuracy is None:
+            return
+        t = self._table(header=self.rows % 25 == 0)
+        t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
+        self.console.print(t)
+        self.rows += 1
+        if rec.checkpoint:
+            self.console.print(f"  [dim]saved {rec.checkpoint}[/]")
+
+    def validation(self, v) -> None:
+        acc = "-" if v.accuracy is None else f"{v.accuracy:.3f}"
+        self.console.print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}")
+
+
+def summary_table(s) -> Table:
+    t = Table(title="summary", show_header=False, title_justify="left", title_style="bold")
+    t.add_column(style="cyan", no_wrap=True)
+    t.add_column()
+    t.add_row("steps", f"{s.first_step} .. {s.last_step} ({s.steps_run} run)")
+    t.add_row("reward, first 10 steps", f"{s.reward_first10:.3f}")
+    t.add_row("reward, last 10 steps", f"{s.reward_last10:.3f}  ([bold]{s.improvement:.1f}x[/])")
+    if s.val_before is not None or s.val_after is not None:
+        t.add_row("held-out, before -> after", f"{_f(s.val_before)} -> {_f(s.val_after)}")
+    t.add_row("wall time", f"{s.wall_time_s:.1f} s")
+    t.add_row("metrics", s.metrics_path)
+    t.add_row("checkpoints", "\n".join(s.checkpoints) if s.checkpoints else "none")
+    return t
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"

@@ -1,0 +1,63 @@
+"""Shared by `rl train` and `rl resume`: run the trainer and render its events."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+from rlcli.output import call_engine, console, err_console, print_json
+
+
+def render_config(loaded, json_out: bool) -> None:
+    from engine.config.load import flatten
+
+    if json_out:
+        print_json({"config": asdict(loaded.config), "groups": loaded.groups,
+                    "changed": {k: list(v) for k, v in loaded.changed.items()}})
+        return
+    from rich.table import Table
+
+    t = Table(title="resolved config (dry run)", title_justify="left")
+    t.add_column("key", style="cyan")
+    t.add_column("value")
+    t.add_column("default", style="dim")
+    for k, v in flatten(asdict(loaded.config)).items():
+        if k in loaded.changed:
+            t.add_row(k, f"[yellow]{v}[/]", str(loaded.changed[k][0]))
+        else:
+            t.add_row(k, str(v), "")
+    console.print(t)
+
+
+def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> None:
+    from rlcli.render.train import StepPrinter, plan_table, summary_table
+
+    from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
+    from engine.trainer.trainer import train
+
+    out = err_console if json_out else console
+    printer = StepPrinter(out, cfg.trainer.log_freq)
+
+    def on_event(e) -> None:
+        if isinstance(e, RunPlan):
+            out.print(plan_table(e))
+        elif isinstance(e, StepRecord):
+            printer.step(e)
+        elif isinstance(e, Validation):
+            printer.validation(e)
+        elif isinstance(e, RunSummary):
+            out.print(summary_table(e))
+
+    # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        summary = call_engine(train, cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
+                              on_event=on_event, resume=resume)
+    except KeyboardInterrupt:
+        import typer
+
+        err_console.print("[red]interrupted[/]: workers and Ray stopped; the last complete checkpoint is intact.")
+        raise typer.Exit(130)
+    if json_out:
+        print_json(summary.to_json())

@@ -1,0 +1,87 @@
+"""The config contract: strict validation with actionable messages, exit 2 without a
+traceback, and YAML/docs that cannot drift from the schema."""
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.config.load import load_run_config
+from engine.errors import ConfigError
+from rlcli.main import app
+
+runner = CliRunner()
+
+
+def run_cli(*args):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_removed_key_names_replacement_and_exits_2(engine):
+    """A removed key fails at parse time, names its replacement and why, exit 2, no traceback."""
+    r = run_cli("train", "--engine", engine, "engine.grad_offload=true")
+    assert r.exit_code == 2
+    text = r.output
+    assert "engine.grad_offload" in text and "engine.param_offload" in text and "removed" in text
+    assert "Traceback" not in text
+
+
+def test_typo_gets_did_you_mean():
+    r = run_cli("train", "trainer.total_stpes=3")
+    assert r.exit_code == 2
+    assert "did you mean" in r.output.lower() and "trainer.total_steps" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_wrong_type_and_range_name_key_value_and_allowed():
+    with pytest.raises(ConfigError, match=r"trainer\.nprocs.*integer.*'two'"):
+        load_run_config(["trainer.nprocs=two"])
+    with pytest.raises(ConfigError, match=r"rollout\.top_p.*<= 1"):
+        load_run_config(["rollout.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"loss_agg_mode.*token-mean"):
+        load_run_config(["algorithm.loss_agg_mode=tokenmean"])
+
+
+def test_unknown_group_option_lists_options():
+    with pytest.raises(ConfigError, match=r"task=ech.*Did you mean `echo`.*Options:"):
+        load_run_config(["task=ech"])
+
+
+def test_engine_specific_key_refused_on_other_engine():
+    """tensor_model_parallel_size is a megatron key: under fsdp it is refused with a pointer."""
+    with pytest.raises(ConfigError, match="another engine"):
+        load_run_config(["engine.tensor_model_parallel_size=2"])
+    cfg = load_run_config(["engine.tensor_model_parallel_size=2", "trainer.nprocs=2"], engine="megatron").config
+    assert cfg.engine.tensor_model_parallel_size == 2
+
+
+def test_overrides_apply_and_changes_are_reported():
+    loaded = load_run_config(["trainer.total_steps=7", "task=add", "optim.betas=[0.8,0.9]"])
+    assert loaded.config.trainer.total_steps == 7
+    assert loaded.config.task.name == "add"
+    assert loaded.config.optim.betas == [0.8, 0.9]
+    assert loaded.changed["trainer.total_steps"] == (40, 7)
+
+
+def test_cross_field_rule():
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_run_config(["data.train_batch_size=10", "algorithm.ppo_mini_batch_size=4"])
+    with pytest.raises(ConfigError, match="task.path"):
+        load_run_config(["task=jsonl"])
+
+
+def test_dry_run_prints_plan_and_json():
+    r = run_cli("train", "--dry-run", "--json", "trainer.total_steps=3")
+    assert r.exit_code == 0, r.output
+    import json
+    data = json.loads(r.stdout)
+    assert data["config"]["trainer"]["total_steps"] == 3
+
+
+def test_generated_files_match_schema():
+    """configs/rl.yaml, configs/engine/*.yaml and docs/config-reference.md are generated from
+    the dataclasses; this fails when someone edits one without the other."""
+    r = subprocess.run([sys.executable, "-m", "engine.config.generate", "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
