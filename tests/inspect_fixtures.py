@@ -204,7 +204,8 @@ def save_verl_fsdp(root: Path, step: int) -> Path:
                    actor / f"extra_state_world_size_{ws}_rank_{rank}.pt")
     _write_json(actor / "fsdp_config.json", {"FSDP_version": 2, "world_size": ws})
     (actor / "huggingface").mkdir()
-    _write_json(actor / "huggingface" / "config.json", {"model_type": "toy", "transformers_version": "4.57.0"})
+    _write_json(actor / "huggingface" / "config.json",
+                {"model_type": "toy", "transformers_version": "4.57.0"})
     (root / "latest_checkpointed_iteration.txt").write_text(str(step))
     return root / f"global_step_{step}"
 

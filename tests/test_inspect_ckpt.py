@@ -182,8 +182,9 @@ def test_config_check_uses_the_real_registry(tmp_path):
 def test_plain_dcp_dir(tmp_path):
     """A plain DCP directory: tensors with dtype/shape, non-tensor entries, files and sizes,
     world size from the data files."""
-    d = fx.save_dcp(tmp_path / "dcp", {"model": {"w": torch.randn(6, 4), "b": torch.zeros(4, dtype=torch.float16)},
-                                       "meta": {"note": "hi", "n": 3}, "step": torch.tensor(7)})
+    d = fx.save_dcp(tmp_path / "dcp", {
+        "model": {"w": torch.randn(6, 4), "b": torch.zeros(4, dtype=torch.float16)},
+        "meta": {"note": "hi", "n": 3}, "step": torch.tensor(7)})
     rep = inspect_path(d)
     assert rep.format == "dcp" and rep.world_size == 1
     t = {x.name: x for x in rep.tensors}
@@ -453,7 +454,8 @@ def test_cli_diff_reports_keys_shapes_dtypes(tmp_path):
     assert [t.name for t in d.removed if t.group == "model"] == ["model.layers.1.mlp.weight"]
     assert [(c.name, c.before, c.after) for c in d.shape_changed if c.name.startswith("model.")] \
         == [("model.embed_tokens.weight", "[16, 8]", "[20, 8]")]
-    assert ("model.lm_head.weight", "float32", "bfloat16") in [(c.name, c.before, c.after) for c in d.dtype_changed]
+    assert ("model.lm_head.weight", "float32", "bfloat16") in [
+        (c.name, c.before, c.after) for c in d.dtype_changed]
     assert [c.name for c in d.config_changed] == ["trainer.total_steps"]
     res = run_cli(str(root / "step_40"), "--diff", str(root / "step_80"), "--json")
     assert res.exit_code == 0
