@@ -134,6 +134,61 @@ def _hf_reference_step(cfg, batch, loss_fn):
     return exp_avg, {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
+def _ps_init(tp: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() == tp:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def _shim_checks() -> dict:
+    """megatron-core on CPU without the shim fails where the shim says it does; with it,
+    seeding, the RNG tracker and a GPTModel forward work. TP=1 (rank-local work only)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from engine.backends.megatron import cpu_shim
+    from engine.backends.megatron.model import arch_from_hf_config, build_gpt_model, transformer_config
+
+    out = {"applied_before": cpu_shim.is_applied()}
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    arch = arch_from_hf_config(_hf_config("llama"))
+    ids = torch.randint(0, VOCAB, (2, 5))
+    pos, mask = torch.arange(5)[None].expand(2, -1), torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)[None, None]
+
+    def attempt(fn) -> str:
+        try:
+            fn()
+            return "ok"
+        except (AssertionError, RuntimeError) as e:
+            return str(e)
+
+    out["seed_without"] = attempt(lambda: tensor_parallel.model_parallel_cuda_manual_seed(0))
+    gpt = build_gpt_model(arch, transformer_config(arch, dtype=torch.float32, tp=1), use_te=False)
+    out["forward_without"] = attempt(lambda: gpt(ids, pos, attention_mask=mask))
+    out["apply"] = cpu_shim.apply()
+    out["seed_with"] = attempt(lambda: tensor_parallel.model_parallel_cuda_manual_seed(0))
+    with torch.no_grad():
+        out["forward_with"] = attempt(lambda: gpt(ids, pos, attention_mask=mask))
+    # the tracker forks the CPU generator: draws inside a fork leave the outer stream alone
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    out["outer_rng_restored"] = torch.equal(before, torch.get_rng_state())
+    with tracker.fork():
+        b = torch.rand(4)
+    out["fork_stream_advances"] = not torch.equal(a, b)
+    ps.destroy_model_parallel()
+    return out
+
+
 def _model_level_checks(tp: int) -> dict:
     """HF -> megatron forward (gathered logits) vs transformers, and export round trip."""
     import torch.distributed as dist
@@ -145,11 +200,7 @@ def _model_level_checks(tp: int) -> dict:
     from engine.backends.megatron import cpu_shim
 
     cpu_shim.apply()
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    _ps_init(tp)
     out = {}
     tp_rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     for family in ("llama", "qwen2"):
@@ -200,8 +251,16 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _session_tp2(rank: int, world: int, store: str, workdir: str) -> None:
+def _session(rank: int, world: int, store: str, workdir: str) -> None:
     _init(rank, world, store)
+    shim = _shim_checks()
+    _session_tp2(rank, world, workdir)
+    _session_tp1(rank, world, workdir)
+    if rank == 0:
+        torch.save(shim, os.path.join(workdir, "shim.pt"))
+
+
+def _session_tp2(rank: int, world: int, workdir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from engine.backends.logprobs import token_log_probs
@@ -244,10 +303,12 @@ def _session_tp2(rank: int, world: int, store: str, workdir: str) -> None:
     if rank == 0:
         torch.save({"after1": after, "after2": after2, "rec": rec},
                    os.path.join(workdir, "tp2.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
-def _session_tp1(rank: int, world: int, store: str, workdir: str) -> None:
-    _init(rank, world, store)
+def _session_tp1(rank: int, world: int, workdir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from engine.algorithms.policy_loss import PolicyLoss
@@ -314,16 +375,67 @@ def _spawn(fn, world: int, workdir: str, name: str) -> None:
 def sessions(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("megatron"))
     sys.path.insert(0, os.path.dirname(__file__))
-    _spawn(_session_tp2, 2, workdir, "tp2")
-    _spawn(_session_tp1, 2, workdir, "tp1")
+    _spawn(_session, 2, workdir, "main")
+    shim = torch.load(os.path.join(workdir, "shim.pt"), weights_only=False)
     tp2 = torch.load(os.path.join(workdir, "tp2.pt"), weights_only=False)["rec"]
     tp1 = torch.load(os.path.join(workdir, "tp1.pt"), weights_only=False)["rec"]
     print(f"\nmegatron measured: tp2={ {k: v for k, v in tp2.items() if 'err' in k} } "
           f"tp1={ {k: v for k, v in tp1.items() if 'err' in k} } model2={tp2['model']} model1={tp1['model']}")
-    return {"tp2": tp2, "tp1": tp1}
+    return {"tp2": tp2, "tp1": tp1, "shim": shim}
 
 
 # ---- the tests ---------------------------------------------------------------------------
+def test_cpu_shim_patches_existing_targets_and_is_reversible():
+    """Every (module, attribute) the CPU shim replaces still exists in this torch/megatron-core
+    (megatron's private RNG helpers with the signature the replacements accept); apply() is
+    idempotent and redirects to the CPU; remove() restores the exact originals."""
+    import inspect
+
+    import megatron.core.tensor_parallel.random as mrandom
+
+    from engine.backends.megatron import cpu_shim
+
+    if not cpu_shim.needed():
+        pytest.skip("CUDA is available: the shim is never applied")
+    assert not cpu_shim.is_applied()
+    owners = {key: cpu_shim._owner_and_name(*key) for key in cpu_shim.PATCHES}
+    originals = {key: getattr(o, n) for key, (o, n) in owners.items()}
+    assert all(callable(f) for f in originals.values())
+    assert list(inspect.signature(mrandom._get_cuda_rng_state).parameters) == ["device", "clone", "graph_safe"]
+    assert list(inspect.signature(mrandom._set_cuda_rng_state).parameters) == ["new_state", "device", "graph_safe"]
+    tensor_cuda_was_own = "cuda" in vars(torch.Tensor)
+    try:
+        assert cpu_shim.apply() and cpu_shim.apply()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        t, lin = torch.ones(2), torch.nn.Linear(2, 2)
+        assert t.cuda() is t and lin.cuda() is lin
+        torch.cuda.synchronize()
+        assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())
+        assert torch.equal(mrandom._get_cuda_rng_state(), torch.get_rng_state())
+        torch.cuda.manual_seed(5)
+        a = torch.rand(3)
+        torch.manual_seed(5)
+        assert torch.equal(a, torch.rand(3))
+    finally:
+        cpu_shim.remove()
+    assert not cpu_shim.is_applied()
+    assert all(getattr(o, n) is originals[key] for key, (o, n) in owners.items())
+    assert ("cuda" in vars(torch.Tensor)) == tensor_cuda_was_own
+
+
+def test_megatron_runs_on_cpu_only_through_the_shim(sessions):
+    """Without the shim megatron-core 0.16 fails on a CPU-only torch (RNG seeding, GPTModel
+    forward) with CUDA errors; with it both work, and megatron's RNG tracker forks the CPU
+    generator (the outer stream is restored, the forked stream advances). If a megatron-core
+    release stops needing a redirection, this test says so."""
+    r = sessions["shim"]
+    assert not r["applied_before"]
+    assert "CUDA" in r["seed_without"], r["seed_without"]
+    assert "CUDA" in r["forward_without"], r["forward_without"]
+    assert r["apply"] and r["seed_with"] == "ok" and r["forward_with"] == "ok"
+    assert r["outer_rng_restored"] and r["fork_stream_advances"]
+
+
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_megatron_logits_match_transformers(sessions, tp, family):
