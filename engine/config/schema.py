@@ -35,7 +35,7 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    train_batch_size: int = _f(16, "prompts per RL step (each sampled algorithm.rollout_n times)", min=1)
+    train_batch_size: int = _f(32, "prompts per RL step (each sampled algorithm.rollout_n times)", min=1)
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed and the epoch)")
     max_prompt_length: int = _f(64, "prompts longer than this many tokens are rejected at load time", min=1)
 
@@ -70,7 +70,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-3, "peak learning rate (AdamW)", min=0.0)
+    lr: float = _f(5e-3, "peak learning rate (AdamW)", min=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
     betas: list = _f([0.9, 0.99], "AdamW betas")
     eps: float = _f(1e-8, "AdamW epsilon", min=0.0)

@@ -70,7 +70,7 @@ class StepPrinter:
             return
         t = self._table(header=self.rows % 25 == 0)
         t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
-        self.console.print(t)
+        self.console.print(t, width=max(self.console.width, 118))
         self.rows += 1
         if rec.checkpoint:
             self.console.print(f"  [dim]saved {rec.checkpoint}[/]")
