@@ -45,6 +45,7 @@ class FSDPEngine(TrainEngine):
         self._scheduler = None
         self.bucket_policy = None
         self._offloaded = False
+        self.tracker = None  # engine.memory.tracker.MemoryTracker, set by the worker
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -106,6 +107,11 @@ class FSDPEngine(TrainEngine):
             mbs.append(_zero_weight(mbs[0]))
         return mbs
 
+    def _measure(self, category: str):
+        from contextlib import nullcontext
+
+        return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
+
     @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
         model = self.ref_model if ref else self.model
@@ -138,7 +144,10 @@ class FSDPEngine(TrainEngine):
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logits = self._forward_logits(self.model, mb.batch)
+            with self._measure("activations"):
+                logits = self._forward_logits(self.model, mb.batch)
+            if self.tracker is not None:
+                self.tracker.record_tensors("logits", logits)
             lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
                                       with_entropy=True)
             dev_mb = _to_device(mb.batch, self.device)
@@ -184,31 +193,30 @@ class FSDPEngine(TrainEngine):
 
     # ---- memory -------------------------------------------------------------------------
     def offload(self) -> OffloadReport:
-        from engine.memory.offload import offload_optimizer_state, offload_params
+        from engine.memory.offload import combine_reports, offload_optimizer_state, offload_params
 
-        report = OffloadReport()
-        if self.cfg.engine.param_offload:
-            report = offload_params(self.model)
-        if self.cfg.engine.optimizer_offload:
-            r = offload_optimizer_state(self.optimizer)
-            report.optimizer_bytes = r.optimizer_bytes
-            report.note = report.note or r.note
-        self._offloaded = True
-        return report
+        e = self.cfg.engine
+        reports = []
+        if e.param_offload:
+            reports.append(offload_params(self.model))
+        if e.optimizer_offload:
+            reports.append(offload_optimizer_state(self.optimizer))
+        self._offloaded = bool(reports)
+        return combine_reports(*reports) if reports else OffloadReport()
 
     def onload(self) -> OffloadReport:
-        from engine.memory.offload import onload_optimizer_state, onload_params
+        from engine.memory.offload import combine_reports, onload_optimizer_state, onload_params
 
-        report = OffloadReport()
         if not self._offloaded:
-            return report
-        if self.cfg.engine.param_offload:
-            report = onload_params(self.model, self.device)
-        if self.cfg.engine.optimizer_offload:
-            r = onload_optimizer_state(self.optimizer, self.device)
-            report.optimizer_bytes = r.optimizer_bytes
+            return OffloadReport()
+        e = self.cfg.engine
+        reports = []
+        if e.param_offload:
+            reports.append(onload_params(self.model, self.device))
+        if e.optimizer_offload:
+            reports.append(onload_optimizer_state(self.optimizer, self.device))
         self._offloaded = False
-        return report
+        return combine_reports(*reports)
 
     # ---- checkpoints --------------------------------------------------------------------
     def checkpoint_state(self) -> dict:

@@ -48,9 +48,12 @@ class StepRecord:
     val_accuracy: float | None = None
     val_reward: float | None = None
     checkpoint: str | None = None
+    memory: list = field(default_factory=list)      # per-rank, per-phase memory records
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("memory")  # written to memory.jsonl, not metrics.jsonl
+        return d
 
 
 @dataclass

@@ -67,6 +67,12 @@ class RunDir:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record.to_json(), default=str) + "\n")
 
+    def append_memory(self, records: list) -> None:
+        from engine.memory.report import save_records
+
+        if records:
+            save_records(records, self.path)
+
     def truncate_metrics(self, last_step: int) -> None:
         """On resume: drop metric rows after the checkpoint's step (they will be recomputed)."""
         if not self.metrics_path.exists():

@@ -61,9 +61,11 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                     val_after = v.accuracy if v.accuracy is not None else v.reward
                 if (cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
                         (last and cfg.checkpoint.save_final):
+                    workers.onload(step)  # checkpoints read the live params and optimizer state
                     rec.checkpoint = str(rdir.save(cfg, workers, step, stream))
                     checkpoints.append(rec.checkpoint)
                 rdir.append_metrics(rec)
+                rdir.append_memory(rec.memory)
                 records.append(rec)
                 on_event(rec)
         finally:
@@ -83,6 +85,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     t0 = time.perf_counter()
 
     # 1. rollout: n samples per prompt, prompt-major
+    workers.onload(step)
     idx = stream.next_indices(cfg.data.train_batch_size)
     examples = [inputs.task.train[i] for i in idx]
     prompts = [inputs.train_prompts[i] for i in idx]
@@ -140,6 +143,12 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
                 shapes.update(tuple(s) for s in o["shapes"])
                 peak = max(peak, o["rss_peak"])
     timing["update"] = time.perf_counter() - t
+
+    # 6. offload between steps (as configured) and collect every rank's memory records
+    t = time.perf_counter()
+    offloaded = workers.offload()
+    timing["offload"] = time.perf_counter() - t
+    memory = [rec for o in offloaded for rec in o["memory"]]
     per_update = {k: v / n_updates for k, v in totals.items()}
     if kl_reward is not None:
         per_update["kl"] = kl_reward
@@ -153,13 +162,14 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         update_tokens_per_s=tokens / max(timing["update"], 1e-9),
         step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
         pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
-        timing=timing)
+        timing=timing, memory=memory)
 
 
 def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validation:
     """Greedy generation on the held-out split: accuracy (if the task defines it) and reward."""
     if not inputs.val_prompts:
         return Validation(step, None, 0.0)
+    workers.onload(step)
     batch, _ = workers.generate(inputs.val_prompts, 1, greedy=True)
     responses = decode_responses(inputs.tokenizer, batch)
     ex = inputs.task.val

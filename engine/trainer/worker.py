@@ -46,6 +46,12 @@ class RankWorker:
         self.engine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
+        from engine.memory.tracker import MemoryTracker
+
+        self.tracker = MemoryTracker(self.device, rank=self.rank, models={"policy": self.engine.model},
+                                     optimizer=self.engine.optimizer)
+        self.engine.tracker = self.tracker
+        self.step = 0
         from engine.rollout.torch_sampler import TorchSampler
 
         self.sampler = TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device)
@@ -68,28 +74,42 @@ class RankWorker:
         return FSDPEngine(*args)
 
     # ---- phases -------------------------------------------------------------------------
+    def onload(self, step: int) -> dict:
+        self.step = step
+        with self.tracker.phase("onload", step) as t:
+            report = self.engine.onload()
+            t.record_offload(report)
+        return asdict(report)
+
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
         t0 = time.perf_counter()
-        self.engine.onload()
-        with self.engine.generation_model() as model:
-            batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
+        with self.tracker.phase("rollout", self.step) as t:
+            with self.engine.generation_model() as model:
+                batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
+            t.record_bytes("kv_cache", self.sampler.last_kv_cache_bytes)
         return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                        "rss_peak": rss_peak_bytes()}
 
     def log_probs(self, batch: SequenceBatch, ref: bool = False) -> torch.Tensor:
-        lp, _ = self.engine.compute_log_probs(batch, ref=ref)
+        with self.tracker.phase("ref_log_probs" if ref else "old_log_probs", self.step):
+            lp, _ = self.engine.compute_log_probs(batch, ref=ref)
         return lp
 
     def train_step(self, batch: SequenceBatch) -> dict:
         from engine.algorithms.policy_loss import PolicyLoss
 
         t0 = time.perf_counter()
-        stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
+        with self.tracker.phase("update", self.step):
+            stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
         return {"metrics": stats.metrics, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
 
     def offload(self) -> dict:
-        return asdict(self.engine.offload())
+        """End of step: offload as configured, and hand back this step's memory records."""
+        with self.tracker.phase("offload", self.step) as t:
+            report = self.engine.offload()
+            t.record_offload(report)
+        return {"report": asdict(report), "memory": self.tracker.pop_records()}
 
     # ---- checkpoints --------------------------------------------------------------------
     def save(self, run_dir: str, step: int) -> dict:

@@ -101,7 +101,11 @@ class WorkerGroup:
     def bucket_state(self) -> list:
         return get(self.actors[0].bucket_state.remote(), self.timeout, "bucket state")
 
+    def onload(self, step: int) -> list[dict]:
+        return self._all("onload", [(step,)] * len(self.actors), "onload")
+
     def offload(self) -> list[dict]:
+        """Offload every rank; returns per-rank {"report", "memory": [phase records]}."""
         return self._all("offload", [()] * len(self.actors), "offload")
 
     def shutdown(self) -> None:

@@ -55,7 +55,9 @@ class StepPrinter:
     """Prints one aligned row per step (works in terminals and in logs/pipes)."""
 
     def __init__(self, console: Console, log_freq: int = 1):
-        self.console = console
+        # rows need ~118 columns; logs and pipes default to 80, so widen rather than squeeze
+        self.console = Console(file=console.file, width=max(console.width, 118), highlight=False,
+                               force_terminal=console.is_terminal, no_color=console.no_color)
         self.log_freq = log_freq
         self.rows = 0
 
@@ -70,7 +72,7 @@ class StepPrinter:
             return
         t = self._table(header=self.rows % 25 == 0)
         t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
-        self.console.print(t, width=max(self.console.width, 118))
+        self.console.print(t)
         self.rows += 1
         if rec.checkpoint:
             self.console.print(f"  [dim]saved {rec.checkpoint}[/]")
