@@ -74,9 +74,9 @@ class FSDPEngine(TrainEngine):
         if c.engine.compile:
             self._forward = torch.compile(self.model.forward, dynamic=False)
         self.optimizer, self._scheduler = build_optimizer(self.model.parameters(), c.optim, self.total_updates)
-        if c.engine.pad_to_length:
-            from engine.batching.buckets import make_bucket_policy
-            self.bucket_policy = make_bucket_policy(c.engine)
+        from engine.batching.buckets import make_bucket_policy
+
+        self.bucket_policy = make_bucket_policy(c.engine)  # long-lived: policy=learned sees every step
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -93,17 +93,21 @@ class FSDPEngine(TrainEngine):
                   use_cache=False)
         return out.logits
 
-    def _micro_batches(self, batch: SequenceBatch):
-        """This rank's micro-batches, padded to buckets, equal in number on every rank."""
-        try:
-            from engine.batching.microbatch import split_micro_batches
-        except ImportError:  # TEMP until engine/batching lands
-            split_micro_batches = _tmp_split
-        mbs = split_micro_batches(batch, self.cfg.engine, self.bucket_policy, self.pad_token_id)
+    def _micro_batches(self, batch: SequenceBatch, observe: bool = True):
+        """This rank's micro-batches, padded to buckets, equal in number on every rank (so
+        FSDP's collectives line up)."""
+        from engine.batching.microbatch import split_micro_batches
+
+        split = lambda k, obs: split_micro_batches(batch, self.cfg.engine, self.bucket_policy,  # noqa: E731
+                                                   self.pad_token_id, min_micro_batches=k, observe=obs)
+        mbs = split(1, observe)
         n = torch.tensor([len(mbs)])
         if self.world_size > 1:
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        while len(mbs) < int(n):  # a zero-weight twin keeps collectives in step
+        target = int(n)
+        if len(mbs) < target:
+            mbs = split(min(target, len(batch)), False)
+        while len(mbs) < target:  # fewer rows than micro-batches: zero-weight twins
             mbs.append(_zero_weight(mbs[0]))
         return mbs
 
@@ -121,15 +125,15 @@ class FSDPEngine(TrainEngine):
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T)
         ent_out = torch.zeros(B, T) if with_entropy else None
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, observe=False):
             logits = self._forward_logits(model, mb.batch)
             lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
                                       with_entropy)
-            real = mb.indices >= 0
+            k, real = mb.num_rows, mb.indices >= 0  # rows past k are bucket padding; -1 = zero-weight twin
             t = min(T, lp.shape[1])
-            out[mb.indices[real], :t] = lp[real, :t].float().cpu()
+            out[mb.indices[real], :t] = lp[:k][real, :t].float().cpu()
             if with_entropy:
-                ent_out[mb.indices[real], :t] = ent[real, :t].float().cpu()
+                ent_out[mb.indices[real], :t] = ent[:k][real, :t].float().cpu()
         return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
 
     def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
@@ -262,19 +266,3 @@ def _zero_weight(mb):
     twin.padded_tokens = 0
     return twin
 
-
-class _TmpMB:
-    def __init__(self, b, idx):
-        self.batch, self.indices = b, idx
-        self.real_tokens = int(b.attention_mask.sum())
-        self.padded_tokens = b.input_ids.numel()
-        self.shape = tuple(b.input_ids.shape)
-
-
-def _tmp_split(batch, ecfg, policy, pad):
-    size = ecfg.micro_batch_size or max(1, ecfg.max_tokens_per_micro_batch // max(1, batch.input_ids.shape[1]))
-    out = []
-    for s in range(0, len(batch), size):
-        idx = torch.arange(s, min(len(batch), s + size))
-        out.append(_TmpMB(batch.select(idx), idx))
-    return out

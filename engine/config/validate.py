@@ -172,6 +172,9 @@ def check_cross_field(cfg: RunConfig) -> None:
         raise ConfigError("`algorithm.clip_ratio_low` must be < 1 (the lower clip bound is 1 - clip_ratio_low).",
                           title="invalid config value")
     e = cfg.engine
+    from engine.batching.validate import validate_run_padding
+
+    validate_run_padding(cfg)
     if e.name == "megatron":
         mp = e.tensor_model_parallel_size * e.pipeline_model_parallel_size * e.context_parallel_size
         if cfg.trainer.nprocs % mp:

@@ -1,0 +1,84 @@
+"""The FSDP2 engine: rollout log-probs match the engine's recompute, and a two-rank step
+equals a single-rank step on the same global batch."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.load import load_run_config
+from tests.dist_utils import run_ranks
+
+VOCAB, PAD, EOS = 12, 0, 1
+
+
+def _engine(overrides):
+    from engine.backends.fsdp import FSDPEngine
+
+    cfg = load_run_config(overrides).config
+    eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    return cfg, eng
+
+
+def _rollout_vs_recompute(rank, world):
+    from engine.rollout.torch_sampler import TorchSampler
+
+    cfg, eng = _engine(["rollout.temperature=0.7", "rollout.max_new_tokens=9", "engine.micro_batch_size=5"])
+    sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [2]]
+    with eng.generation_model() as m:
+        batch = sampler.generate(m, prompts, 4, torch.Generator().manual_seed(rank))
+    recomputed, _ = eng.compute_log_probs(batch)
+    mask = batch.response_mask
+    return (batch.rollout_log_probs * mask, recomputed * mask, int(mask.sum()))
+
+
+def test_rollout_log_probs_equal_engine_recompute():
+    """What the KV-cache sampler reports as log p(token) equals the engine's full forward
+    (left-padded incremental decoding vs right-padded micro-batched recompute), on 2 ranks."""
+    for sampled, recomputed, n in run_ranks(_rollout_vs_recompute, 2):
+        assert n > 0
+        assert torch.allclose(sampled, recomputed, atol=1e-5), (sampled - recomputed).abs().max()
+
+
+def _one_step(rank, world, batch, micro):
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.trainer.worker_group import shard_slices
+
+    cfg, eng = _engine([f"engine.micro_batch_size={micro}", "algorithm.entropy_coef=0.01",
+                        "algorithm.loss_agg_mode=seq-mean-token-mean"])
+    shard = batch.select(shard_slices(len(batch), world)[rank])
+    stats = eng.train_step(shard, PolicyLoss(cfg.algorithm, world))
+    full = eng.export_hf_state_dict()
+    return {k: v.clone() for k, v in full.items()}, stats.metrics
+
+
+def _batch():
+    from engine.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 10
+    ids = torch.randint(2, VOCAB, (B, T), generator=g)
+    lengths = torch.tensor([10, 7, 9, 5, 10, 6, 8, 4])
+    attn = (torch.arange(T)[None] < lengths[:, None]).long()
+    resp = attn.float().clone()
+    resp[:, :2] = 0
+    ids = ids * attn
+    adv = torch.randn(B, generator=g)[:, None] * resp
+    return SequenceBatch(input_ids=ids, attention_mask=attn, response_mask=resp,
+                         prompt_lengths=torch.full((B,), 2), advantages=adv)
+
+
+def test_two_rank_step_equals_one_rank_step():
+    """Data parallelism changes nothing: the parameters after one optimizer step on 2 ranks
+    (each with half the batch, different micro-batching) equal those from 1 rank. Tolerance
+    2e-5 absolute = 0.4% of one AdamW step at lr 5e-3 (measured: 2e-6, fp32 reduction order)."""
+    batch = _batch()
+    (one, m1), = run_ranks(_one_step, 1, batch, 3)
+    two = run_ranks(_one_step, 2, batch, 2)
+    params2 = two[0][0]
+    assert one.keys() == params2.keys()
+    worst = max((one[k] - params2[k]).abs().max().item() for k in one)
+    assert worst < 2e-5, worst
+    pg2 = sum(r[1]["pg_loss"] for r in two)
+    assert abs(m1["pg_loss"] - pg2) < 1e-5
