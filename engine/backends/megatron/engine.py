@@ -71,6 +71,15 @@ class MegatronEngine(TrainEngine):
         self._gen_model = None     # transformers model with full weights, for sampling
         self._gen_stale = False
         self._offloaded = False
+        self.tracker = None        # engine.memory.tracker.MemoryTracker, set by the worker
+
+    @property
+    def optimizer(self):
+        """What holds the optimizer state (for memory tracking and offload): the torch AdamW
+        on CPU, megatron-core's optimizer on CUDA."""
+        if self.opt is None:
+            return None
+        return self.opt.megatron if hasattr(self.opt, "megatron") else self.opt.optimizer
 
     # ---- build --------------------------------------------------------------------------
     def _note(self, msg: str) -> None:
@@ -235,10 +244,18 @@ class MegatronEngine(TrainEngine):
                                   self.tp_group if self.tp_size > 1 else None, self.cfg.rollout.temperature,
                                   with_entropy)
 
-    def _micro_batches(self, batch: SequenceBatch):
+    def _micro_batches(self, batch: SequenceBatch, observe: bool = True):
+        """Micro-batches of this DP group's rows. No count agreement across DP ranks is
+        needed: megatron DDP reduces gradients once, in finish_grad_sync()."""
         from engine.batching.microbatch import split_micro_batches
 
-        return split_micro_batches(batch, self._engine_cfg(), self.bucket_policy, self.pad_token_id)
+        return split_micro_batches(batch, self._engine_cfg(), self.bucket_policy, self.pad_token_id,
+                                   observe=observe)
+
+    def _measure(self, category: str):
+        from contextlib import nullcontext
+
+        return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
 
     @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
@@ -249,7 +266,7 @@ class MegatronEngine(TrainEngine):
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T)
         ent_out = torch.zeros(B, T) if with_entropy else None
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, observe=False):
             logits = self._forward_logits(model, mb.batch.input_ids)
             lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy)
             n, t = mb.num_rows, min(T, lp.shape[1])
@@ -270,7 +287,10 @@ class MegatronEngine(TrainEngine):
         self.model.zero_grad_buffer()
         sums: dict[str, float] = {}
         for mb in self._micro_batches(batch):
-            logits = self._forward_logits(self.model, mb.batch.input_ids)
+            with self._measure("activations"):
+                logits = self._forward_logits(self.model, mb.batch.input_ids)
+            if self.tracker is not None:
+                self.tracker.record_tensors("logits", logits)
             lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
             dev_mb = _to_device(mb.batch, self.device)
             loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
