@@ -1,0 +1,106 @@
+"""Which config keys `rl resume` may change, and why (docs/resume.md, "What may change").
+
+The rule is an allow-list: a key may differ from the checkpoint's config only if it is
+listed in ``ALLOWED`` (with the reason it is safe). Everything else is refused, with the
+reason from ``REFUSED`` (longest matching prefix) or a default one. A key added to the
+schema later is therefore refused until someone decides it is safe to change mid-run.
+
+Allowed keys change *how* the run executes (length, ranks, logging, checkpoint cadence,
+memory layout); refused keys change *what* is being trained, or would be silently ignored
+because the checkpoint restores them (optimizer hyper-parameters, LR schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_RESHARD = "DCP reshards model and optimizer state to the new layout (per-rank RNG streams change, so the " \
+           "continuation is not bit-exact)"
+_MEMORY = "changes where tensors rest or how work is split, not what is trained"
+_PADDING = "changes padding shapes only; a learned policy's saved boundaries are checked on load"
+
+ALLOWED: dict[str, str] = {
+    "trainer.total_steps": "extends or shortens the run; with a decaying LR schedule the decay horizon follows "
+                           "the new length",
+    "trainer.nprocs": _RESHARD,
+    "trainer.device": "DCP loads onto either device (numerics differ between devices)",
+    "trainer.val_freq": "validation cadence only",
+    "trainer.log_freq": "printing only",
+    "trainer.ray_address": "where the ranks run",
+    "trainer.ray_timeout_s": "a timeout",
+    "trainer.threads_per_rank": "CPU threads per rank (float sums may round differently)",
+    "checkpoint.save_freq": "checkpoint cadence",
+    "checkpoint.keep_last": "checkpoint retention",
+    "checkpoint.save_final": "checkpoint cadence",
+    "checkpoint.overwrite": "has no effect on resume",
+    "engine.param_offload": _MEMORY,
+    "engine.optimizer_offload": _MEMORY,
+    "engine.micro_batch_size": _MEMORY + " (gradient sums may round differently)",
+    "engine.max_tokens_per_micro_batch": _MEMORY + " (gradient sums may round differently)",
+    "engine.gradient_checkpointing": _MEMORY,
+    "engine.compile": "compiles the same forward",
+    "engine.reshard_after_forward": _MEMORY,
+    "engine.pad_to_length": _PADDING,
+    "engine.pad_to_length_bucket": _PADDING,
+    "engine.pad_to_length_policy": _PADDING,
+    "engine.pad_to_length_max_shapes": _PADDING,
+    "engine.pad_to_length_refresh_steps": _PADDING,
+    "engine.tensor_model_parallel_size": "megatron checkpoints hold full tensors under HF names; " + _RESHARD,
+    "engine.pipeline_model_parallel_size": "megatron checkpoints hold full tensors under HF names; " + _RESHARD,
+    "engine.context_parallel_size": "megatron checkpoints hold full tensors under HF names; " + _RESHARD,
+    "engine.sequence_parallel": "megatron: activation layout only",
+    "engine.use_distributed_optimizer": "megatron checkpoints hold full optimizer tensors; " + _RESHARD,
+    "rollout.name": "changes how samples are generated, not their distribution",
+    "rollout.micro_batch_size": _MEMORY,
+    "rollout.gpu_memory_utilization": _MEMORY,
+    "rollout.verify_sync": "a check only",
+}
+
+REFUSED: dict[str, str] = {
+    "model.": "the checkpoint's weights have this model's names and shapes",
+    "engine.name": "the optimizer state layout belongs to the engine that wrote it",
+    "engine.fp8": "changes the precision every matmul trains in",
+    "task.": "the saved data position indexes this task's prompt set",
+    "data.": "the saved data position counts prompts in this order and batch size",
+    "trainer.seed": "seeds the data order that the saved position indexes, and every rank's sampler",
+    "optim.": "the optimizer's hyper-parameters and LR schedule are restored from the checkpoint, so a new "
+              "value would be silently ignored",
+    "algorithm.": "changes the objective the optimizer state was accumulated for",
+    "rollout.temperature": "changes the sampling distribution the policy is trained on",
+    "rollout.top_p": "changes the sampling distribution the policy is trained on",
+    "rollout.max_new_tokens": "changes the sampling distribution the policy is trained on",
+    "checkpoint.dir": "resume continues in the run directory it was given; to branch a run, copy its directory "
+                      "and resume the copy",
+}
+DEFAULT_REFUSAL = "not known to be safe to change in the middle of a run"
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One key whose value differs between the checkpoint's config and the resumed one."""
+
+    key: str
+    then: object
+    now: object
+    allowed: bool
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "then": self.then, "now": self.now, "allowed": self.allowed, "reason": self.reason}
+
+
+def classify(key: str) -> tuple[bool, str]:
+    """(allowed, why) for changing ``key`` on resume."""
+    if key in ALLOWED:
+        return True, ALLOWED[key]
+    best = max((p for p in REFUSED if key == p or (p.endswith(".") and key.startswith(p))), key=len, default=None)
+    return False, REFUSED[best] if best else DEFAULT_REFUSAL
+
+
+def classify_changes(diff: dict[str, tuple]) -> list[ConfigChange]:
+    """``diff``: key -> (then, now), as engine.config.load.diff_configs returns it."""
+    out = []
+    for key, (then, now) in sorted(diff.items()):
+        allowed, why = classify(key)
+        out.append(ConfigChange(key, then, now, allowed, why))
+    return out

@@ -1,0 +1,65 @@
+"""`rl resume`: continue a run from its latest complete checkpoint (or a named one)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+EPILOG = """[bold]Examples[/]
+
+  rl resume ckpt/                                 [dim]# latest complete checkpoint under ckpt/[/]
+  rl resume ckpt/step_40                          [dim]# that one (newer ones are set aside, not deleted)[/]
+  rl resume ckpt/ trainer.total_steps=200         [dim]# extend the run[/]
+  rl resume ckpt/ trainer.nprocs=1                [dim]# saved with 2 ranks, resumed with 1 (DCP reshards)[/]
+  rl resume ckpt/ --dry-run                       [dim]# print what would be restored; load nothing[/]
+  rl resume ckpt/ --dry-run --json                [dim]# the same plan as JSON[/]
+
+Allowed changes: trainer.total_steps, trainer.nprocs, logging/validation cadence, checkpoint.save_freq/
+keep_last, memory settings (offload, micro-batches). Refused: model.*, task.*, data.*, optim.*, algorithm.*,
+engine.name, trainer.seed, sampling settings. Details: docs/resume.md."""
+
+
+def complete_override(incomplete: str):
+    from rlcli.completion_keys import complete_override as _complete
+
+    return _complete(incomplete)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("resume", epilog=EPILOG, rich_help_panel="Run")
+    def resume(
+        path: Annotated[str, typer.Argument(
+            help="A run directory (its latest complete step_N is used) or one step_N directory.",
+            show_default=False)],
+        overrides: Annotated[Optional[list[str]], typer.Argument(
+            help="key=value changes allowed on resume, e.g. trainer.total_steps=200 trainer.nprocs=1.",
+            show_default=False, autocompletion=complete_override)] = None,
+        dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="Print what would be restored and from where; load nothing, change nothing.",
+            rich_help_panel="Output")] = False,
+        allow_partial: Annotated[bool, typer.Option(
+            "--allow-partial", help="Resume even if optimizer state the manifest promises is missing: those "
+            "parameters restart from the initial AdamW state (said in red).", rich_help_panel="Checkpoint")] = False,
+        json_out: Annotated[bool, typer.Option(
+            "--json", help="--dry-run: the plan as JSON on stdout. Otherwise the final summary as JSON on stdout "
+            "(plan and progress go to stderr).", rich_help_panel="Output")] = False,
+    ) -> None:
+        """Continue a run exactly where its checkpoint left off (model, optimizer, LR schedule, RNG, data)."""
+        from pathlib import Path
+
+        from rlcli.output import call_engine, console, err_console, print_json
+        from rlcli.render.resume import resume_table
+        from rlcli.run_render import run_and_render
+
+        from engine.checkpoint.load import plan_resume
+
+        plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial)
+        if json_out and dry_run:
+            print_json(plan.to_json())
+        else:
+            (err_console if json_out else console).print(resume_table(plan))
+        call_engine(plan.raise_if_refused)
+        if dry_run:
+            return
+        run_and_render(plan.config, overrides=plan.overrides, changed=plan.changed, json_out=json_out, resume=plan)
