@@ -15,7 +15,7 @@ the same run:
 It prints the times and ratios (goal: inspect >= 50x faster than a full load) and deletes
 the checkpoints. Usage::
 
-    OMP_NUM_THREADS=1 python bench/inspect.py [--gb 2.0] [--tensors 384] [--dir /tmp]
+    OMP_NUM_THREADS=1 python bench/inspect_ckpt.py [--gb 2.0] [--tensors 384] [--dir /tmp]
 """
 
 from __future__ import annotations
