@@ -57,7 +57,12 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> N
     except KeyboardInterrupt:
         import typer
 
-        err_console.print("[red]interrupted[/]: workers and Ray stopped; the last complete checkpoint is intact.")
+        from engine.checkpoint.layout import latest_complete
+
+        latest = latest_complete(Path(cfg.checkpoint.dir))
+        where = (f"latest complete checkpoint: {latest.path} (continue with `rl resume {cfg.checkpoint.dir}`)"
+                 if latest else "no checkpoint had been saved yet")
+        err_console.print(f"[red]interrupted[/]: workers and Ray stopped; {where}.")
         raise typer.Exit(130)
     if json_out:
         print_json(summary.to_json())
