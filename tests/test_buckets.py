@@ -19,7 +19,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.batching.buckets import (LearnedPolicy, fit_new_boundaries, make_bucket_policy,
-                                     required_alignment, round_up)
+                                     required_alignment, round_up, smoothed_histogram)
 from engine.batching.microbatch import pad_stats, split_micro_batches
 from engine.batching.validate import validate_padding_config, validate_run_padding
 from engine.config.schema import FSDPEngineConfig, MegatronEngineConfig, RunConfig
@@ -138,6 +138,24 @@ def test_learned_fit_is_optimal_against_brute_force():
                    for c in itertools.combinations(cands, min(r, len(cands))))
         assert len(got) <= max_new and not set(got) & set(existing)
         assert cost(existing + got) == pytest.approx(best)
+
+
+def test_smoothing_preserves_mass_spreads_isolated_lengths_and_keeps_repeated_ones():
+    """The learned fit's smoothed distribution keeps the total weight, spreads a length seen
+    once over its nearest-neighbour cell, and keeps most of a repeated length put."""
+    hist = {}
+    for n, w in [(100, 1.0), (900, 2.0), (1500, 1.0)] + [(2040, 1.0)] * 10:
+        cell = hist.setdefault(round_up(n, 16), [0.0, 0.0, 0.0])
+        cell[0] += w
+        cell[1] += w * n
+        cell[2] += 1
+    sm = smoothed_histogram(hist, 16, 2048, extra_points=[1000])
+    assert sum(w for w, _ in sm.values()) == pytest.approx(sum(c[0] for c in hist.values()))
+    assert all(k % 16 == 0 or k == 1000 for k in sm)
+    between = sum(w for k, (w, _) in sm.items() if 500 < k <= 1200)   # 900's cell: (500, 1200]
+    assert between == pytest.approx(2.0, abs=0.02)
+    assert len([k for k in sm if 500 < k <= 1200]) > 10
+    assert sm[2048][0] >= 8.0                                       # 10 repeats: 8 stay put
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])

@@ -14,9 +14,10 @@ its total token count N in the packed [1, N] layout):
    ``geometric`` alignment x 2^(k/2), rounded up to the alignment: about two shapes per doubling
                  of length, worst-case padding under 1 - 1/sqrt(2) = 29%
    ``learned``   at most K = ``engine.pad_to_length_max_shapes`` boundaries fitted to the
-                 lengths seen so far (a dynamic programme minimising padded tokens), refreshed
-                 every ``engine.pad_to_length_refresh_steps`` steps; boundaries are only ever
-                 added, so every shape compiled earlier stays valid.
+                 lengths seen so far (a dynamic programme minimising padded tokens), refitted
+                 after the first step and then every ``engine.pad_to_length_refresh_steps``
+                 steps; boundaries are only ever added, so every shape compiled earlier stays
+                 valid.
 
 Every policy has a top boundary ``max_length`` (rounded up to the alignment): the longest length
 it must cover. Lengths above it still get a shape (rounded up to the alignment, counted in
@@ -187,10 +188,12 @@ class LearnedPolicy(BucketPolicy):
     """At most ``max_shapes`` boundaries, fitted to the lengths observed so far.
 
     Starts with one boundary, ``max_length`` (so before the first refresh it behaves as a fixed
-    budget). Every ``refresh_steps`` steps it solves, over the histogram of observed lengths, the
-    exact problem "which new boundaries, added to the existing ones, minimise padded tokens" with
-    a dynamic programme over candidate boundaries (the observed lengths rounded up to the
-    alignment). Each refresh may fill at most half of the free slots (rounded up), keeping room
+    budget). Every ``refresh_steps`` steps it solves, over the distribution of observed lengths,
+    the exact problem "which new boundaries, added to the existing ones, minimise padded tokens"
+    with a dynamic programme over candidate boundaries. The distribution is the observed
+    histogram smoothed by nearest neighbours (``smoothed_histogram``): fitting the raw points
+    puts boundaries exactly on lengths seen once, which later lengths almost never hit. Each
+    refresh may fill at most half of the free slots (rounded up), keeping room
     for the distribution to drift (RL responses lengthen during training), and adds a boundary
     only if it earns its compiled shape (``LEARNED_MIN_GAIN``). Boundaries are never removed.
     """
@@ -204,9 +207,11 @@ class LearnedPolicy(BucketPolicy):
         self.max_shapes = int(max_shapes)
         self.refresh_steps = max(1, int(refresh_steps))
         self._boundaries = [self.max_length]
-        self._hist: dict[int, list[float]] = {}  # aligned length -> [sum of weights, sum of weight*n]
+        # aligned length -> [sum of weights, sum of weight*n, number of observations]
+        self._hist: dict[int, list[float]] = {}
         self._last_refresh = 0
-        self.refreshes = 0
+        self.refreshes = 0        # refreshes that added boundaries
+        self.refreshes_tried = 0
 
     def _bucket(self, n: int) -> int:
         return self._boundaries[bisect_left(self._boundaries, n)]
@@ -221,18 +226,23 @@ class LearnedPolicy(BucketPolicy):
             key = round_up(n, self.alignment)
             if key > self.max_length:
                 continue  # overflows are counted in bucket_length; no boundary can cover them
-            cell = self._hist.setdefault(key, [0.0, 0.0])
+            cell = self._hist.setdefault(key, [0.0, 0.0, 0.0])
             cell[0] += w
             cell[1] += w * n
+            cell[2] += 1
 
     def maybe_refresh(self, step: int) -> bool:
-        if step - self._last_refresh < self.refresh_steps:
+        """Refit at the first call that has observations (so the fixed-budget warm-up lasts one
+        step), then every ``refresh_steps`` steps."""
+        if not self._hist or (self.refreshes_tried and step - self._last_refresh < self.refresh_steps):
             return False
         self._last_refresh = step
+        self.refreshes_tried += 1
         free = self.max_shapes - len(self._boundaries)
-        if free <= 0 or not self._hist:
+        if free <= 0:
             return False
-        added = fit_new_boundaries(self._hist, self._boundaries, max_new=math.ceil(free / 2),
+        smoothed = smoothed_histogram(self._hist, self.alignment, self.max_length, self._boundaries)
+        added = fit_new_boundaries(smoothed, self._boundaries, max_new=math.ceil(free / 2),
                                    min_gain=LEARNED_MIN_GAIN)
         if not added:
             return False
@@ -245,15 +255,16 @@ class LearnedPolicy(BucketPolicy):
         """Weighted padded-minus-natural tokens of the observed histogram under ``boundaries``."""
         bs = sorted(boundaries or self._boundaries)
         cost = 0.0
-        for key, (w, s) in self._hist.items():
+        for key, (w, s, _) in self._hist.items():
             cost += bs[bisect_left(bs, key)] * w - s
         return cost
 
     def state_dict(self) -> dict:
         out = super().state_dict()
         out.update({"max_shapes": self.max_shapes, "boundaries": list(self._boundaries),
-                    "histogram": [[k, w, s] for k, (w, s) in sorted(self._hist.items())],
-                    "last_refresh": self._last_refresh, "refreshes": self.refreshes})
+                    "histogram": [[k, w, s, c] for k, (w, s, c) in sorted(self._hist.items())],
+                    "last_refresh": self._last_refresh, "refreshes": self.refreshes,
+                    "refreshes_tried": self.refreshes_tried})
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -274,21 +285,77 @@ class LearnedPolicy(BucketPolicy):
                 f"engine.pad_to_length_max_shapes={self.max_shapes}; boundaries are never removed "
                 f"(their shapes are compiled), so set engine.pad_to_length_max_shapes>={len(kept)}.")
         self._boundaries = kept
-        self._hist = {int(k): [float(w), float(s)] for k, w, s in state.get("histogram", [])
-                      if int(k) <= self.max_length}
+        self._hist = {int(row[0]): [float(row[1]), float(row[2]), float(row[3]) if len(row) > 3 else 1.0]
+                      for row in state.get("histogram", []) if int(row[0]) <= self.max_length}
         self._last_refresh = int(state.get("last_refresh", 0))
         self.refreshes = int(state.get("refreshes", 0))
+        self.refreshes_tried = int(state.get("refreshes_tried", self.refreshes))
 
     def __repr__(self) -> str:
         return (f"LearnedPolicy(alignment={self.alignment}, max_length={self.max_length}, "
                 f"max_shapes={self.max_shapes}, boundaries={self._boundaries})")
 
 
+SMOOTHING_MAX_POINTS = 512
+
+
+def smoothed_histogram(hist: dict, alignment: int, top: int, extra_points: Iterable[int] = (),
+                       max_points: int = SMOOTHING_MAX_POINTS) -> dict:
+    """The observed length distribution, smoothed, on a grid of candidate boundaries.
+
+    ``hist`` maps an aligned length to [W, S, C] (summed weight, summed weight*length, number of
+    observations). Each observation stands for the lengths nearer to it than to any other
+    observation (its nearest-neighbour cell, between the midpoints to its neighbours): an
+    isolated length spreads over a wide cell, a dense region stays narrow, and of C repeated
+    observations of one length only the two outermost spread (half a cell each side), the rest
+    stay exactly there. The result maps grid points (multiples of the alignment, coarsened so
+    there are at most ``max_points``, plus ``extra_points`` and ``top``) to the [W, S] of the
+    smoothed mass in (previous grid point, grid point]. Total W is preserved; S moves with the
+    smoothing (a cell's mean is its midpoint, not the observed length).
+    """
+    step = alignment * max(1, math.ceil(top / alignment / max_points))
+    grid = sorted(set(range(step, top + 1, step)) | {int(p) for p in extra_points if p <= top} | {top})
+    keys = sorted(k for k in hist if k <= top and hist[k][0] > 0)
+    out: dict[int, list[float]] = {}
+
+    def deposit(g: int, w: float, s: float) -> None:
+        cell = out.setdefault(g, [0.0, 0.0])
+        cell[0] += w
+        cell[1] += s
+
+    xs = [hist[k][1] / hist[k][0] for k in keys]  # mean length of each observed cell
+    pieces = []                                    # (lo, hi, weight): uniform on [lo, hi]
+    for i, k in enumerate(keys):
+        w, count = hist[k][0], (hist[k][2] if len(hist[k]) > 2 else 1.0)
+        x = xs[i]
+        lo = (xs[i - 1] + x) / 2 if i > 0 else (max(0.0, x - (xs[1] - x) / 2) if len(xs) > 1 else x)
+        hi = (x + xs[i + 1]) / 2 if i + 1 < len(xs) else (min(float(top), x + (x - xs[i - 1]) / 2)
+                                                          if len(xs) > 1 else x)
+        if count <= 1:
+            pieces.append((lo, hi, w))
+        else:
+            pieces += [(lo, x, w / count), (x, hi, w / count), (x, x, w * (count - 2) / count)]
+    for lo, hi, w in pieces:
+        if w <= 0:
+            continue
+        if hi - lo < 1e-9:
+            deposit(grid[min(bisect_left(grid, lo), len(grid) - 1)], w, w * lo)
+            continue
+        j, a = bisect_left(grid, lo), lo
+        while a < hi and j < len(grid):
+            b = min(hi, float(grid[j]))
+            if b > a:
+                part = w * (b - a) / (hi - lo)
+                deposit(grid[j], part, part * (a + b) / 2)
+            a, j = max(a, b), j + 1
+    return out
+
+
 def fit_new_boundaries(hist: dict, existing: list[int], max_new: int, min_gain: float = 0.0) -> list[int]:
     """New boundaries (at most ``max_new``) that, with ``existing``, minimise padding of ``hist``.
 
-    ``hist`` maps an aligned length c to [W, S]: the summed weight and weight*natural-length of
-    observations that round up to c. Assigning them to boundary B costs B*W - S padded tokens.
+    ``hist`` maps a candidate length c to [W, S, ...]: the summed weight and weight*length of the
+    lengths that c is the smallest candidate >= to. Assigning them to boundary B costs B*W - S padded tokens.
     Exact DP over candidates (observed aligned lengths and existing boundaries, ascending):
     f[k][j] = least cost of covering every candidate <= c_j with c_j a boundary and k new
     boundaries used; the previous boundary c_i may not skip an existing boundary. The largest
@@ -301,8 +368,8 @@ def fit_new_boundaries(hist: dict, existing: list[int], max_new: int, min_gain: 
     cands = sorted({k for k in hist if k <= top} | existing_set)
     m = len(cands)
     c = np.array([0] + cands, dtype=np.float64)                      # 1-indexed candidates
-    w = np.array([0.0] + [hist.get(k, (0.0, 0.0))[0] for k in cands])
-    s = np.array([0.0] + [hist.get(k, (0.0, 0.0))[1] for k in cands])
+    w = np.array([0.0] + [hist[k][0] if k in hist else 0.0 for k in cands])
+    s = np.array([0.0] + [hist[k][1] if k in hist else 0.0 for k in cands])
     wp, sp = np.cumsum(w), np.cumsum(s)                             # wp[j] = sum of w[1..j]
     forced = [False] + [k in existing_set for k in cands]
     inf = float("inf")
