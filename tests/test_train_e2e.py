@@ -47,3 +47,22 @@ def test_rl_train_two_ranks_learns(tmp_path):
     assert s["reward_last10"] >= 2 * s["reward_first10"], s
     manifest = json.loads((d / "step_30" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["parallel"]["dp"] == 2
+
+
+@pytest.mark.slow
+def test_rl_train_prompt_file_with_user_reward(tmp_path):
+    """task=jsonl with task.reward_fn=module:function imported from the current directory
+    (as TRL users expect), on the tiny model with the built-in character tokenizer."""
+    rows = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 8]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "myrewards.py").write_text(
+        "def starts_right(prompt, response, answer):\n"
+        "    return float(response[:1] == answer[:1])\n")
+    r = rl("train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:starts_right",
+           "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
+           "checkpoint.dir=ck", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["steps_run"] == 2
+    bad = rl("train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:nope",
+             "checkpoint.dir=ck2", cwd=tmp_path)
+    assert bad.returncode == 2 and "no function `nope`" in bad.stderr

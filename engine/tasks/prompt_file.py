@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import random
+import string
 import sys
 from pathlib import Path
 
@@ -71,4 +72,6 @@ def make_file_task(cfg: TaskConfig, seed: int) -> Task:
     val = [examples[i] for i in order[:n_val]]
     train = [examples[i] for i in order[n_val:]]
     fn = load_reward_fn(cfg.reward_fn)
-    return Task(cfg.name, train, val, lambda p, r, a: float(fn(p, r, a)))
+    # printable ASCII lets the built-in character tokenizer serve the tiny model; a real
+    # model (model.path / a preset) brings its own tokenizer and ignores this
+    return Task(cfg.name, train, val, lambda p, r, a: float(fn(p, r, a)), alphabet=string.printable)
