@@ -385,7 +385,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     missing optimizer entries) are collected in ``plan.refusals`` so the plan can be shown
     first; ``plan.raise_if_refused()`` turns them into the error.
     """
-    from engine.config.load import apply_overrides_to, config_from_dict, diff_configs
+    from engine.config.load import apply_overrides_to, config_from_dict, diff_configs, parse_override
 
     overrides = list(overrides or [])
     loc = find_checkpoint(Path(path))
@@ -407,8 +407,17 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     except UserError as e:
         raise CheckpointError(f"The config saved in {step.path / MANIFEST} no longer validates: {e.message} "
                               f"Resume it with the rl version that wrote it.", title="incompatible checkpoint") from None
-    cfg = apply_overrides_to(saved_cfg, overrides)
     refusals: list[str] = []
+    applied = []
+    for o in overrides:  # the engine is a config group: refuse it here, by name, not as an unknown key
+        _prefix, key, value = parse_override(o)
+        if key in ("engine", "engine.name") and value != saved_cfg.engine.name:
+            refusals.append(f"`{o}`: the engine cannot change on resume; {step.path} was written by the "
+                            f"{saved_cfg.engine.name} engine and its optimizer state layout belongs to it. Drop the "
+                            f"override, or start a new run with `rl train ... checkpoint.dir=<new dir>`.")
+        else:
+            applied.append(o)
+    cfg = apply_overrides_to(saved_cfg, applied)
     # the run continues where it was found, whatever checkpoint.dir said when it was written
     want_dir = Path(cfg.checkpoint.dir) if any(o.startswith("checkpoint.dir=") for o in overrides) else root
     if want_dir.resolve() != root:
