@@ -1,0 +1,86 @@
+"""`rl mem-report`: where memory goes in an RL step, estimated and measured, and how to fit."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+EPILOG = """[bold]Examples[/]
+
+  rl mem-report                                   [dim]# run ONE step of the embedded default job and report it[/]
+  rl mem-report data.train_batch_size=4           [dim]# one step of that job (overrides as in rl train)[/]
+  rl mem-report ckpt/                             [dim]# what a run recorded (its memory.jsonl) vs the estimate[/]
+  rl mem-report --estimate model.path=/models/Qwen2.5-7B --engine megatron engine.tensor_model_parallel_size=4 trainer.nprocs=8
+  rl mem-report --estimate model.path=llama-70b trainer.nprocs=8 --device-memory 80GiB
+  rl mem-report ckpt/ --json | jq '.estimate.offload_matrix'
+
+--estimate builds the model on the meta device: no weights, no GPU, nothing downloaded.
+Built-in architectures for model.path: llama-7b, llama-13b, llama-70b, llama3-8b, llama3-70b.
+Megatron keys (engine.tensor_model_parallel_size...) need [bold]--engine megatron[/]. Details: docs/memory.md."""
+
+
+def complete_engine(incomplete: str):
+    from rlcli.completion_keys import engine_options
+
+    return [e for e in engine_options() if e.startswith(incomplete)]
+
+
+def complete_override(incomplete: str):
+    from rlcli.completion_keys import complete_override as _complete
+
+    return _complete(incomplete)
+
+
+def _is_run_path(arg: str) -> bool:
+    from pathlib import Path
+
+    return "=" not in arg or Path(arg).expanduser().exists()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("mem-report", epilog=EPILOG, rich_help_panel="Inspect")
+    def mem_report(
+        args: Annotated[Optional[list[str]], typer.Argument(
+            help="A run directory (reads its memory.jsonl), or key=value overrides of the job to run one step of "
+                 "(or to estimate, with --estimate). Nothing: one step of the default job.",
+            metavar="RUN_DIR | KEY=VALUE", show_default=False, autocompletion=complete_override)] = None,
+        estimate: Annotated[bool, typer.Option(
+            "--estimate", help="Estimate only, from the config (meta-device model): run nothing, load no weights.",
+            rich_help_panel="Mode")] = False,
+        engine: Annotated[Optional[str], typer.Option(
+            "--engine", "-e", help="Training backend for the job: fsdp or megatron (same as engine=<name>).",
+            autocompletion=complete_engine, rich_help_panel="Mode")] = None,
+        device_memory: Annotated[Optional[str], typer.Option(
+            "--device-memory", metavar="SIZE",
+            help="Device memory per rank to check fits against, e.g. 80GiB, 141GB (default: this machine's GPU, "
+                 "or the run's recorded device).", rich_help_panel="Device")] = None,
+        json_out: Annotated[bool, typer.Option(
+            "--json", help="Print the report as JSON on stdout (same facts as the tables).",
+            rich_help_panel="Output")] = False,
+    ) -> None:
+        """Memory per phase and category: estimate beside measured, offload what-if, FP8 workspaces, fixes."""
+        from rlcli.output import call_engine, console, err_console, fail, print_json
+        from rlcli.render.mem_report import render_report
+
+        from engine.memory import measure
+
+        args = list(args or [])
+        if estimate:
+            rep = call_engine(measure.estimate_only, args, engine=engine, device_memory=device_memory)
+        elif args and _is_run_path(args[0]):
+            if len(args) > 1 or engine:
+                extra = " ".join(args[1:] + ([f"--engine {engine}"] if engine else []))
+                fail(f"`{extra}`: a run directory is reported as it ran, so it takes no overrides or --engine. "
+                     f"To estimate a changed config: `rl mem-report --estimate {extra}`.", title="invalid arguments")
+            rep = call_engine(measure.report_from_run, args[0], device_memory=device_memory)
+        else:
+            call_engine(measure.check_one_step, args, engine=engine, device_memory=device_memory)  # fail early
+            what = "the default job" if not args else " ".join(args)
+            err_console.print(f"[dim]running one RL step of {what} in a temporary directory "
+                              "(real trainer; about a minute on CPU)...[/]")
+            rep = call_engine(measure.measure_default, args, engine=engine, device_memory=device_memory)
+        if json_out:
+            print_json(rep.to_json())
+        else:
+            render_report(rep, console)
