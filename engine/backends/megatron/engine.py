@@ -141,6 +141,8 @@ class MegatronEngine(TrainEngine):
                               "(megatron-core would place tensors on the GPU); use trainer.device=cuda or "
                               "engine=fsdp.", title="unsupported device")
         cpu_shim.apply()  # no-op when CUDA is available
+        if not on_gpu:   # a CUDA stream tuning hint, meaningless on CPU
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
         self.use_te = on_gpu and te_available()
         if c.engine.fp8 and not self.use_te:
             raise ConfigError("engine.fp8=true needs Transformer-Engine and a CUDA device; turn engine.fp8 off "
@@ -202,7 +204,10 @@ class MegatronEngine(TrainEngine):
                                      ps.get_model_parallel_group(), self.tp_rank)
         from engine.batching.buckets import make_bucket_policy
 
-        self.bucket_policy = make_bucket_policy(self._engine_cfg()) if c.engine.pad_to_length else None
+        # long-lived (policy=learned sees every step); its top boundary is the longest sequence,
+        # as make_bucket_policy's docstring asks for the padded layout
+        longest = c.data.max_prompt_length + c.rollout.max_new_tokens
+        self.bucket_policy = make_bucket_policy(self._engine_cfg(), max_length=longest)
 
     def _engine_cfg(self):
         """The engine config as this backend runs it (sequence parallel as actually used)."""

@@ -157,6 +157,7 @@ def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, 
         # fused kernels are CUDA-only; on a GPU let megatron pick them
         bias_activation_fusion=on_gpu, masked_softmax_fusion=on_gpu, bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],   # the default "full" is deprecated and warns on every build
     )
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
