@@ -283,6 +283,8 @@ def test_latest_complete_checkpoint_is_chosen_from_disk(small_run, tmp_path):
     older = plan_resume(run / "step_1", ["trainer.total_steps=6"])
     assert older.step == 1 and older.later_checkpoints == ["step_2"] and older.metrics_rows_dropped == 1
     assert any("rewinding" in w for w in older.warnings)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # killed before step 2's row landed
+    assert any("no row for step(s) 2" in w for w in plan_resume(run, ["trainer.total_steps=6"]).warnings)
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "run_without_checkpoint", "only_incomplete", "tmp_dir",

@@ -371,10 +371,17 @@ def _row_step(line: str) -> int:
         return 0
 
 
+def _lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
 def _count_rows_after(path: Path, step: int) -> int:
-    if not path.exists():
-        return 0
-    return sum(1 for ln in path.read_text().splitlines() if ln.strip() and _row_step(ln) > step)
+    return sum(1 for ln in _lines(path) if _row_step(ln) > step)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)) else \
+        ", ".join(map(str, steps[:10]))
 
 
 def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial: bool = False) -> ResumePlan:
@@ -479,6 +486,11 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         if int(p.stem.split("_")[1]) >= world_now)
         if unused:
             warnings.append(f"saved RNG of ranks that no longer exist is not used: {', '.join(unused)}.")
+    logged = {_row_step(ln) for ln in _lines(root / "metrics.jsonl")}
+    lost = [s for s in range(1, step.step + 1) if s not in logged]
+    if lost and logged:
+        warnings.append(f"metrics.jsonl has no row for step(s) {_span(lost)} (the run stopped between saving a "
+                        f"checkpoint and writing its row); those rows cannot be recomputed.")
     if loc.later:
         warnings.append(f"rewinding: newer checkpoints {', '.join(loc.later)} are set aside as .superseded-<name>-* "
                         f"(not deleted) and metric rows after step {step.step} are dropped.")
