@@ -6,13 +6,14 @@ run, as RL responses do, or lengths read from a rollout/metrics dump) through
 new micro-batch shape compiles a new graph. Each policy runs the same batches twice:
 
   cold pass  what a run pays: compiles on first sight of a shape, then forward+backward
-  warm pass  the same micro-batches again, every shape compiled: the compute alone
+  warm pass  the same micro-batches again (3 times, min kept), every shape compiled: compute
 
 and prints, for no padding / a fixed budget / multiple-of-1024 (verl's default) /
 multiple-of-16 / geometric / learned: pad fraction, distinct shapes, graphs compiled (total
-and in the second half of the run: does it keep recompiling?), warm and cold step time, and
-the steady-state step time (warm + second-half compiles per step x measured cost of one
-compile), each as a ratio to "no padding" measured in the same run.
+and in the second half of the run: does it keep recompiling?), warm and cold step time, and a
+projected step time over a longer run (warm + measured compile cost x compiles projected from
+the second-half rate, capped by the most shapes the policy can have), each as a ratio to
+"no padding" measured in the same run.
 
 Default backend is aot_eager (dynamo + AOTAutograd: real graph capture and recompiles, about
 1 s per shape here). Inductor's C++ codegen costs ~15 s per shape on 2 cores, which would make
@@ -194,13 +195,14 @@ def run_policy(name, cfg, max_length, steps_lengths, args, base_state):
         all_mbs.append((mbs, n_resp))
 
     compiles_cold = counter.count
-    warm_times = []
-    for mbs, n_resp in all_mbs:
-        t0 = CLOCK()
-        compiled.zero_grad(set_to_none=True)
-        for mb in mbs:
-            fwd_bwd(compiled, mb, args.layout, n_resp)
-        warm_times.append(CLOCK() - t0)
+    warm_times = [math.inf] * len(all_mbs)
+    for _ in range(args.warm_repeats):     # min over repeats: robust to other load on the machine
+        for i, (mbs, n_resp) in enumerate(all_mbs):
+            t0 = CLOCK()
+            compiled.zero_grad(set_to_none=True)
+            for mb in mbs:
+                fwd_bwd(compiled, mb, args.layout, n_resp)
+            warm_times[i] = min(warm_times[i], CLOCK() - t0)
     assert counter.count == compiles_cold, "warm pass compiled a new graph"
 
     n = len(steps_lengths)
@@ -209,6 +211,13 @@ def run_policy(name, cfg, max_length, steps_lengths, args, base_state):
     late = pad_stats([mb for mbs, _ in all_mbs[n // 2:] for mb in mbs])
     warm = statistics.mean(warm_times)
     compile_cost = max(0.0, (sum(cold_times) - sum(warm_times))) / max(1, compiles_cold)
+    # A policy can never have more shapes than its boundaries (learned: K); no padding can have
+    # one per length up to the budget. Project compiles over a longer run from the second-half
+    # rate, capped by that bound.
+    bound = policy.max_shapes if policy.name == "learned" else len(policy.boundaries())
+    rate = sum(second_half) / len(second_half)
+    horizon = max(args.project_steps, n)
+    projected_compiles = min(bound, compiles_cold + rate * (horizon - n))
     return {
         "policy": name,
         "pad_fraction": stats["pad_fraction"],
@@ -220,7 +229,9 @@ def run_policy(name, cfg, max_length, steps_lengths, args, base_state):
         "warm_step_s": warm,
         "cold_step_s": statistics.mean(cold_times),
         "compile_cost_s": compile_cost,
-        "steady_step_s": warm + sum(second_half) / len(second_half) * compile_cost,
+        "shape_bound": bound,
+        "projected_compiles": projected_compiles,
+        "projected_step_s": warm + compile_cost * projected_compiles / horizon,
         "boundaries": policy.boundaries() if policy.name == "learned" else None,
         "padded_tokens": stats["padded_tokens"],
         "real_tokens": stats["real_tokens"],
@@ -261,6 +272,8 @@ def main(argv=None) -> int:
                     help="cpu: process CPU seconds (robust on a shared machine); wall: elapsed")
     ap.add_argument("--policies", default="", help="comma-separated subset of row numbers (0 = no padding)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-repeats", type=int, default=3, help="warm passes; the min per step is kept")
+    ap.add_argument("--project-steps", type=int, default=500, help="run length for the projection")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
     global CLOCK
@@ -301,25 +314,28 @@ def main(argv=None) -> int:
         print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
 
     base = results[0]
+    proj = f"s/step@{max(args.project_steps, len(steps_lengths))}"
     head = (f"{'policy':<18}{'pad %':>7}{'2nd half':>9}{'shapes':>7}{'compiles':>9}{'2nd half':>9}"
-            f"{'warm s/step':>12}{'x':>6}{'cold s/step':>12}{'x':>6}{'steady s/step':>14}{'x':>6}")
+            f"{'bound':>7}{'warm s/step':>12}{'x':>6}{'cold s/step':>12}{'x':>6}{proj:>14}{'x':>6}")
     print()
     print(head)
     print("-" * len(head))
     for r in results:
         print(f"{r['policy']:<18}{100 * r['pad_fraction']:>7.1f}{100 * r['pad_fraction_second_half']:>9.1f}"
-              f"{r['distinct_shapes']:>7}{r['compiles']:>9}{r['compiles_second_half']:>9}"
+              f"{r['distinct_shapes']:>7}{r['compiles']:>9}{r['compiles_second_half']:>9}{r['shape_bound']:>7}"
               f"{r['warm_step_s']:>12.3f}{r['warm_step_s'] / base['warm_step_s']:>6.2f}"
               f"{r['cold_step_s']:>12.3f}{r['cold_step_s'] / base['cold_step_s']:>6.2f}"
-              f"{r['steady_step_s']:>14.3f}{r['steady_step_s'] / base['steady_step_s']:>6.2f}")
+              f"{r['projected_step_s']:>14.3f}{r['projected_step_s'] / base['projected_step_s']:>6.2f}")
     learned = results[-1]
     print(f"\nlearned boundaries: {learned['boundaries']}")
     print(f"mean cost of one compile (cold - warm) / compiles, no padding: {base['compile_cost_s']:.2f} s")
     print("pad %: (padded - real) / padded tokens, over all steps and over the second half "
           "(after policy=learned has fitted).\ncompiles / 2nd half: graphs compiled over the run "
-          "and in its second half (a policy that has converged compiles nothing more).\n"
-          "steady s/step: warm s/step + 2nd-half compiles per step x "
-          "cost of one compile (a projection from the two measured figures).")
+          "and in its second half (a policy that has converged compiles nothing more); bound: "
+          "most shapes the policy can ever have.\nwarm s/step: fwd+bwd with every shape "
+          f"compiled (min of {args.warm_repeats} passes); cold: first pass, compiles included.\n"
+          f"{proj}: projection to a {max(args.project_steps, len(steps_lengths))}-step run = warm + "
+          "compile cost x min(bound, compiles + 2nd-half rate x remaining steps) / steps.")
     if args.layout == "packed":
         print("multiple of 1024 with a 2048 budget has two possible shapes (1024, 2048): with "
               "sequences in the hundreds it is nearly the fixed budget.")

@@ -20,7 +20,7 @@ import torch
 from engine.batch import SequenceBatch
 from engine.batching.buckets import (LearnedPolicy, fit_new_boundaries, make_bucket_policy,
                                      required_alignment, round_up, smoothed_histogram)
-from engine.batching.microbatch import pad_stats, split_micro_batches
+from engine.batching.microbatch import pad_stats, scatter_back, split_micro_batches
 from engine.batching.validate import validate_padding_config, validate_run_padding
 from engine.config.schema import FSDPEngineConfig, MegatronEngineConfig, RunConfig
 from engine.errors import ConfigError
@@ -356,8 +356,7 @@ def bucketed(model, batch, n_tokens, layout, pad_rows=False):
     model.zero_grad()
     cfg = FSDPEngineConfig(pad_to_length=True, pad_to_length_bucket=16, max_tokens_per_micro_batch=96)
     b, t = batch.input_ids.shape
-    lp_all = torch.zeros(b, t, dtype=torch.float64)
-    ent_all = torch.zeros(b, t, dtype=torch.float64)
+    lps, ents = [], []
     loss_total, padded = 0.0, 0
     mbs = split_micro_batches(batch, cfg, make_bucket_policy(cfg, max_length=96), PAD,
                               layout=layout, pad_rows=pad_rows)
@@ -377,11 +376,11 @@ def bucketed(model, batch, n_tokens, layout, pad_rows=False):
         loss = -(lp * mb.advantages * mb.response_mask).sum() / n_tokens
         loss.backward()
         loss_total += loss.item()
-        k, w = m.num_rows, min(t, lp.shape[1])
-        lp_all[m.indices, :w] = lp[:k, :w].detach()
-        ent_all[m.indices, :w] = ent[:k, :w].detach()
+        lps.append(lp.detach())
+        ents.append(ent.detach())
         padded += m.padded_tokens - m.natural_tokens
     assert padded > 0, "the test must actually pad"
+    lp_all, ent_all = scatter_back(mbs, lps, b, t), scatter_back(mbs, ents, b, t)
     return lp_all, ent_all, loss_total, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 

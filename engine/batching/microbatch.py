@@ -18,8 +18,8 @@ Two layouts, one bucket policy (engine/batching/buckets.py):
 
 Padding never reaches the loss, log-probs, entropy or values: it is a suffix with
 attention_mask 0 and response_mask 0 (padded), or a separate sequence that ``unpack`` drops
-(packed). ``MicroBatch.indices`` maps rows back to the original batch:
-``out[mb.indices] = per_row_values[: len(mb.indices)]``.
+(packed). ``MicroBatch.indices`` maps rows back to the original batch; ``scatter_back`` does
+that for a list of per-micro-batch outputs.
 """
 
 from __future__ import annotations
@@ -255,6 +255,19 @@ def split_micro_batches(batch: SequenceBatch, engine_cfg, policy: Optional[Bucke
             natural.append((real, 1))
     if observe:
         policy.observe([n for n, _ in natural], [w for _, w in natural])
+    return out
+
+
+def scatter_back(micro_batches: list[MicroBatch], outputs: list[torch.Tensor], num_rows: int,
+                 width: int) -> torch.Tensor:
+    """Per-micro-batch row outputs ([rows, T_mb, ...], packed ones already ``unpack``ed) -> one
+    [num_rows, width, ...] tensor in the original row order; empty padding rows and columns
+    beyond ``width`` are dropped, positions no micro-batch covers are 0."""
+    first = outputs[0]
+    out = first.new_zeros((num_rows, width) + tuple(first.shape[2:]))
+    for mb, values in zip(micro_batches, outputs):
+        w = min(width, values.shape[1])
+        out[mb.indices, :w] = values[: mb.num_rows, :w].to(out.dtype)
     return out
 
 
