@@ -300,6 +300,16 @@ def _session_tp2(rank: int, world: int, workdir: str) -> None:
     rec["coverage"] = eng.optimizer_coverage()
     eng.train_step(_batch(1), _TokenMeanPG(eng.dp_size))
     after2 = eng.export_hf_state_dict()
+
+    # offload/onload: FP8 workspaces (as Transformer-Engine keeps them) cleared on param offload,
+    # weights and optimizer state unchanged by the round trip
+    eng.cfg.engine.param_offload = eng.cfg.engine.optimizer_offload = True
+    qkv = eng.model.module.decoder.layers[0].self_attention.linear_qkv
+    qkv._fp8_workspaces = {"weight": torch.zeros(64, 64, dtype=torch.uint8)}
+    rep = eng.offload()
+    rec["offload_fp8_cleared"] = (rep.fp8_workspaces_cleared, rep.fp8_workspace_bytes_freed, qkv._fp8_workspaces)
+    eng.onload()
+    rec["offload_round_trip_exact"] = _max_diff(eng.export_hf_state_dict(), after2) == 0.0
     if rank == 0:
         torch.save({"after1": after, "after2": after2, "rec": rec},
                    os.path.join(workdir, "tp2.pt"))
@@ -484,6 +494,33 @@ def test_grpo_step_equals_fsdp_step(sessions):
     assert r["dp"][1:] == (2, 1)
     assert r["grpo_lp_err"] < LOGIT_TOL
     assert r["grpo_step_err"] < STEP_TOL
+
+
+def test_param_offload_clears_fp8_workspaces(sessions):
+    """engine.offload() with param_offload clears Transformer-Engine FP8 weight workspaces in
+    the megatron model (counted in the report); offload + onload leaves the weights unchanged."""
+    r = sessions["tp2"]
+    count, nbytes, left = r["offload_fp8_cleared"]
+    assert (count, nbytes, left) == (1, 64 * 64, {})
+    assert r["offload_round_trip_exact"]
+
+
+def test_unsupported_models_and_layouts_are_config_errors():
+    """What megatron would compute differently, or cannot split, is refused with a ConfigError
+    naming the fix: non-Llama/Qwen2 models, Llama with o_proj/MLP bias, TP not dividing heads."""
+    from transformers import GPT2Config
+
+    from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine=fsdp"):
+        arch_from_hf_config(GPT2Config())
+    bad = _hf_config("llama")
+    bad.attention_bias = True
+    with pytest.raises(ConfigError, match="Qwen2-style"):
+        arch_from_hf_config(bad)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=4"):
+        check_parallel_layout(arch_from_hf_config(_hf_config("llama")), 4)
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(sessions):
