@@ -432,8 +432,11 @@ def test_longest_sequence_that_cannot_fit_the_budget_is_refused():
     run.data.max_prompt_length, run.rollout.max_new_tokens = 100, 160   # 260 -> 384 > 256
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         validate_run_padding(run)
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        validate_run_padding(run, layout="packed")        # one sequence is longer than a micro-batch
     run.rollout.max_new_tokens = 150                      # 250 -> 256 fits
     assert validate_run_padding(run) == []
+    assert validate_run_padding(run, layout="packed") == []
 
 
 def test_bucket_not_a_multiple_of_the_parallel_alignment_is_rounded_not_refused():

@@ -187,15 +187,15 @@ class GeometricPolicy(BucketPolicy):
 class LearnedPolicy(BucketPolicy):
     """At most ``max_shapes`` boundaries, fitted to the lengths observed so far.
 
-    Starts with one boundary, ``max_length`` (so before the first refresh it behaves as a fixed
-    budget). Every ``refresh_steps`` steps it solves, over the distribution of observed lengths,
-    the exact problem "which new boundaries, added to the existing ones, minimise padded tokens"
+    Starts with one boundary, ``max_length`` (so before the first refit it behaves as a fixed
+    budget). After the first step, then every ``refresh_steps`` steps, it solves, over the
+    distribution of observed lengths, the exact problem "which new boundaries, added to the existing ones, minimise padded tokens"
     with a dynamic programme over candidate boundaries. The distribution is the observed
     histogram smoothed by nearest neighbours (``smoothed_histogram``): fitting the raw points
     puts boundaries exactly on lengths seen once, which later lengths almost never hit. Each
-    refresh may fill at most half of the free slots (rounded up), keeping room
-    for the distribution to drift (RL responses lengthen during training), and adds a boundary
-    only if it earns its compiled shape (``LEARNED_MIN_GAIN``). Boundaries are never removed.
+    refit may fill at most half of the free slots (rounded up), keeping room for the
+    distribution to drift (RL responses lengthen during training), and adds a boundary only if
+    it earns its compiled shape (``LEARNED_MIN_GAIN``). Boundaries are never removed.
     """
 
     name = "learned"
@@ -250,14 +250,6 @@ class LearnedPolicy(BucketPolicy):
         self.refreshes += 1
         assert len(self._boundaries) <= self.max_shapes
         return True
-
-    def padding_cost(self, boundaries: Optional[list[int]] = None) -> float:
-        """Weighted padded-minus-natural tokens of the observed histogram under ``boundaries``."""
-        bs = sorted(boundaries or self._boundaries)
-        cost = 0.0
-        for key, (w, s, _) in self._hist.items():
-            cost += bs[bisect_left(bs, key)] * w - s
-        return cost
 
     def state_dict(self) -> dict:
         out = super().state_dict()

@@ -10,8 +10,8 @@ Rules (each ConfigError names the keys and the fix):
    the parallel/FP8 sizes). A bucket that is not a multiple of the parallel/FP8 alignment is
    NOT an error: it is rounded up to the lcm, and the docs say so.
 3. When the longest sequence is known (``max_seq_length`` = data.max_prompt_length +
-   rollout.max_new_tokens), in the padded layout with a token budget its bucket must fit the
-   budget, or the longest rollouts could never be trained on.
+   rollout.max_new_tokens), with a token budget its padded length must fit the budget (both
+   layouts), or the longest rollouts could never be trained on.
 Warnings (returned, not raised): ``engine.compile=true`` without ``pad_to_length`` recompiles
 for nearly every micro-batch; policy=learned with ``pad_to_length_max_shapes=1`` is a fixed
 budget (its top boundary alone).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Optional
 
-from engine.batching.buckets import alignment_factors, make_bucket_policy, required_alignment
+from engine.batching.buckets import alignment_factors, make_bucket_policy, required_alignment, round_up
 from engine.errors import ConfigError
 
 
@@ -62,9 +62,10 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
             f"length is a multiple of {_explain_alignment(engine_cfg)}; raise "
             f"engine.max_tokens_per_micro_batch to at least {align}, or lower "
             f"engine.pad_to_length_bucket.")
-    if budget_mode and max_seq_length is not None and layout == "padded":
-        policy = make_bucket_policy(engine_cfg, max_length=max_seq_length)
-        longest = policy.bucket_length(max_seq_length)
+    if budget_mode and max_seq_length is not None:
+        policy = make_bucket_policy(engine_cfg, max_length=max_seq_length if layout == "padded" else None)
+        longest = (policy.bucket_length(max_seq_length) if max_seq_length <= policy.max_length
+                   else round_up(max_seq_length, align))
         if longest > budget:
             raise ConfigError(
                 f"the longest sequence (data.max_prompt_length + rollout.max_new_tokens = "
