@@ -20,7 +20,9 @@ Candidates follow Hydra's completion (``hydra/plugins/completion_plugin.py``):
 Defaults shown are the composed ones ``rl train`` would use: schema, then configs/rl.yaml,
 then the chosen group files — groups and ``--engine`` already typed on the line are honoured
 (``--engine megatron`` offers ``engine.tensor_model_parallel_size=``). Removed keys
-(engine/config/removed_keys.py) are never offered.
+(engine/config/removed_keys.py) are never offered. After `rl resume PATH`, only the keys
+engine/checkpoint/resume_rules.py allows to change are offered, no groups, with the values
+saved in that run's checkpoint (its manifest.json) and its engine's keys.
 
 Shell quirks handled here, keyed on Typer's ``_RL_COMPLETE`` variable:
 - bash splits words at ``=`` (COMP_WORDBREAKS), so after ``key=`` it completes only the value
@@ -37,7 +39,7 @@ from pathlib import Path
 
 GROUP_DEFAULTS_FALLBACK = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo",
                            "rollout": "torch"}
-TREE_FORMAT = 1
+TREE_FORMAT = 2
 CACHE_ENV = "RL_COMPLETION_CACHE"
 COMPLETE_ENV = "_RL_COMPLETE"
 STEP_PREFIX = "step_"
@@ -69,7 +71,9 @@ def source_files() -> list[Path]:
     cfg = _config_dir()
     eng = _engine_config_dir()
     yamls = sorted(cfg.glob("*.yaml")) + sorted(cfg.glob("*/*.yaml"))
-    return [eng / "schema.py", eng / "removed_keys.py", Path(__file__).resolve()] + yamls
+    rules = eng.parent / "checkpoint" / "resume_rules.py"
+    extra = [rules] if rules.is_file() else []
+    return [eng / "schema.py", eng / "removed_keys.py", Path(__file__).resolve()] + extra + yamls
 
 
 def tree_digest() -> str:
@@ -243,8 +247,15 @@ def build_key_tree() -> dict:
                 _flatten_yaml(node, group + ".", values)
             groups[group][path.stem] = {"help": _yaml_description(text), "values": values}
 
+    try:  # the keys `rl resume` lets change (engine/checkpoint/resume_rules.py)
+        from engine.checkpoint.resume_rules import ALLOWED
+        resume_allowed = sorted(ALLOWED)
+    except ImportError:
+        resume_allowed = None
+
     return {"format": TREE_FORMAT, "sections": sections, "engines": engines, "base": base,
-            "groups": groups, "group_defaults": group_defaults, "removed": sorted(removed)}
+            "groups": groups, "group_defaults": group_defaults, "removed": sorted(removed),
+            "resume_allowed": resume_allowed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +341,64 @@ def _chosen_groups(words: list[str], tree: dict) -> dict[str, str]:
 # Key tree -> candidates
 # ---------------------------------------------------------------------------------------------
 
-class _View:
-    """The tree for one choice of groups: every leaf's metadata and composed default."""
+def _subcommand(words: list[str]) -> tuple[str, list[str]]:
+    """('train', [words after it]) from the words typed after `rl`."""
+    for i, w in enumerate(words):
+        if not w.startswith("-"):
+            return w, words[i + 1:]
+    return "", []
 
-    def __init__(self, tree: dict, chosen: dict[str, str]):
+
+def _saved_run(path: str) -> tuple[str | None, dict[str, str]]:
+    """(engine, flat config as typed text) of the checkpoint `rl resume PATH` would load:
+    PATH/manifest.json, else the newest complete step_N's manifest, else run.json's engine."""
+    import json
+
+    root = os.path.expanduser(path.rstrip("/") or ".")
+    manifest = os.path.join(root, MANIFEST)
+    if not os.path.isfile(manifest):
+        done = [s for s in _step_dirs(root) if s[2]]
+        manifest = os.path.join(root, max(done)[1], MANIFEST) if done else ""
+    engine, flat = None, {}
+    try:
+        data = json.loads(Path(manifest).read_text()) if manifest else {}
+    except (OSError, ValueError):
+        data = {}
+    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    stack = [("", config)]
+    while stack:
+        prefix, d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                stack.append((f"{prefix}{k}.", v))
+            else:
+                flat[f"{prefix}{k}"] = _render_default(v)
+    engine = data.get("engine") or flat.get("engine.name")
+    if not engine:
+        try:
+            engine = json.loads(Path(root, RUN_MARKER).read_text()).get("engine")
+        except (OSError, ValueError, AttributeError):
+            engine = None
+    return engine, flat
+
+
+class _View:
+    """The tree for one command line: every offerable leaf's metadata and current value.
+
+    `rl train`: composed defaults for the groups on the line. `rl resume PATH`: the saved
+    run's engine and values, only keys engine/checkpoint/resume_rules.py allows to change,
+    and no groups (they cannot change on resume)."""
+
+    def __init__(self, tree: dict, words: list[str]):
+        command, rest = _subcommand(words)
+        saved: dict[str, str] = {}
+        chosen = _chosen_groups(words, tree)
+        self.resume = command == "resume"
+        if self.resume:
+            path = next((w for w in rest if not w.startswith("-") and "=" not in w), "")
+            engine, saved = _saved_run(path) if path else (None, {})
+            if engine in tree["engines"]:
+                chosen["engine"] = engine
         self.tree = tree
         self.chosen = chosen
         removed = set(tree["removed"])
@@ -348,6 +413,15 @@ class _View:
         self.defaults = dict(tree["base"])
         for group, option in chosen.items():
             self.defaults.update(tree["groups"].get(group, {}).get(option, {}).get("values", {}))
+        if self.resume:
+            self.defaults.update(saved)
+            allowed = tree.get("resume_allowed")
+            if allowed is not None:
+                self.leaves = {k: m for k, m in self.leaves.items() if k in set(allowed)}
+
+    @property
+    def groups(self) -> dict[str, dict]:
+        return {} if self.resume else self.tree["groups"]
 
     def default(self, key: str) -> str:
         return self.defaults.get(key, "")
@@ -378,7 +452,7 @@ def _key_candidates(view: _View, incomplete: str) -> list[tuple[str, str]]:
             d = view.default(key)
             out[f"{key}="] = f"(default {d if d != '' else chr(39) * 2}) {meta['help']}"
     if not parent:
-        for group, options in view.tree["groups"].items():
+        for group, options in view.groups.items():
             if group.startswith(incomplete):
                 out[f"{group}="] = f"(now {view.chosen.get(group)}) config group: {', '.join(sorted(options))}"
     return sorted(out.items())
@@ -386,8 +460,8 @@ def _key_candidates(view: _View, incomplete: str) -> list[tuple[str, str]]:
 
 def _value_candidates(view: _View, key: str, value_prefix: str) -> list[tuple[str, str]]:
     """After ``key=``: group options, or the leaf's default first, then its choices."""
-    if key in view.tree["groups"]:
-        options = view.tree["groups"][key]
+    if key in view.groups:
+        options = view.groups[key]
         return [(f"{key}={o}", ("(default) " if o == view.chosen.get(key) else "") + options[o]["help"])
                 for o in sorted(options) if o.startswith(value_prefix)]
     meta = view.leaves.get(key)
@@ -417,9 +491,8 @@ def _override_items(incomplete: str) -> list[tuple[str, str]]:
     """Hydra-style (candidate, help) pairs for the whole override word ``incomplete``."""
     if incomplete[:1] in ("+", "~"):
         return []  # rl's schema is fixed: keys are never added or deleted
-    tree = key_tree()
     words, _ = _typed_words()
-    view = _View(tree, _chosen_groups(words, tree))
+    view = _View(key_tree(), words)
     if "=" in incomplete:
         key, value = incomplete.split("=", 1)
         return _value_candidates(view, key, value)
