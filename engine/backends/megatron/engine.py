@@ -241,6 +241,16 @@ class MegatronEngine(TrainEngine):
         mask = None if self.use_te else torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.device), 1)[None, None]
         return model(ids, pos, attention_mask=mask)
 
+    @staticmethod
+    def _refresh_fp8_weight_cache(model) -> None:
+        """Transformer-Engine layers quantise their weights on the first micro-batch and reuse
+        that FP8 copy until told otherwise (megatron's pipeline schedule does this per step; we
+        do not use that schedule). Call before the first forward of every pass: the weights
+        may have changed. No-op without FP8."""
+        inner = getattr(model, "module", model)
+        if hasattr(inner, "set_is_first_microbatch"):
+            inner.set_is_first_microbatch()
+
     def _token_log_probs(self, logits, ids, with_entropy: bool):
         from engine.backends.megatron.vocab_parallel import token_log_probs_tp
 
@@ -268,6 +278,7 @@ class MegatronEngine(TrainEngine):
         if model is None:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         model.eval()
+        self._refresh_fp8_weight_cache(model)
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T)
         ent_out = torch.zeros(B, T) if with_entropy else None
@@ -290,6 +301,7 @@ class MegatronEngine(TrainEngine):
         n_tokens, n_seqs = float(n_tok[0]), float(n_tok[1])
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         self.model.zero_grad_buffer()
+        self._refresh_fp8_weight_cache(self.model)
         sums: dict[str, float] = {}
         for mb in self._micro_batches(batch):
             with self._measure("activations"):

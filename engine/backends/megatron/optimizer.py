@@ -187,7 +187,10 @@ class MegatronOptimizer:
                         self._where[id(p)] = (opt, p)
 
     def step(self, clip: float) -> float:
+        """megatron clips (OptimizerConfig.clip_grad) and steps; then its zero_grad drops the
+        fp32 main grads it made (the DDP buffers are zeroed again before the next step)."""
         ok, grad_norm, _ = self.megatron.step()
+        self.megatron.zero_grad()
         return float(grad_norm) if grad_norm is not None else 0.0
 
     # ---- full (DP-unsharded) per-param views; collective under DistributedOptimizer ----------
