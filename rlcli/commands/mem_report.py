@@ -79,7 +79,11 @@ def register(app: typer.Typer) -> None:
             what = "the default job" if not args else " ".join(args)
             err_console.print(f"[dim]running one RL step of {what} in a temporary directory "
                               "(real trainer; about a minute on CPU)...[/]")
-            rep = call_engine(measure.measure_default, args, engine=engine, device_memory=device_memory)
+            try:
+                rep = call_engine(measure.measure_default, args, engine=engine, device_memory=device_memory)
+            except KeyboardInterrupt:
+                err_console.print("[red]interrupted[/]: the step's workers and Ray were stopped; nothing was kept.")
+                raise typer.Exit(130)
         if json_out:
             print_json(rep.to_json())
         else:
