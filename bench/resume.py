@@ -9,7 +9,9 @@ data position on every rank, and truncates metrics. Each repetition:
     fresh:  rl train <args> trainer.total_steps=2 checkpoint.save_freq=1   -> time to step 1
     resume: rl resume <that run> trainer.total_steps=3                     -> time to step 3
 
-Prints the medians and resume/fresh (1.0 = resuming costs nothing over a cold start).
+Prints the medians, resume/fresh (1.0 = resuming costs nothing over a cold start), and the two
+parts only a resume pays: the driver's plan (read in-process here) and the slowest rank's load
+(from the ``seconds`` each rank reports into resumes.jsonl).
 
     OMP_NUM_THREADS=1 python bench/resume.py [--reps 3] [--nprocs 1] [-- extra overrides]
 """
@@ -62,7 +64,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra overrides for both runs (e.g. data.train_batch_size=8)")
     args = ap.parse_args()
 
-    fresh, resumed = [], []
+    from engine.checkpoint.load import plan_resume
+
+    fresh, resumed, loads, plans = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="rl-bench-resume-") as tmp:
         for i in range(args.reps):
             run = Path(tmp) / f"run{i}"
@@ -73,18 +77,28 @@ def main() -> None:
             t, _ = time_to_step(["resume", str(run), "trainer.total_steps=3"], run / "metrics.jsonl", 3,
                                 Path(tmp) / f"resume{i}.log")
             resumed.append(t)
+            log = json.loads((run / "resumes.jsonl").read_text().splitlines()[-1])
+            loads.append(max(r["seconds"] for r in log["loaded"]))
+            t0 = time.perf_counter()
+            plan_resume(run, ["trainer.total_steps=4"])
+            plans.append(time.perf_counter() - t0)
             print(f"rep {i + 1}/{args.reps}: fresh -> step 1 {fresh[-1]:.2f} s, resume -> step 3 {resumed[-1]:.2f} s",
                   file=sys.stderr)
     f, r = statistics.median(fresh), statistics.median(resumed)
+    pair = statistics.median(b / a for a, b in zip(fresh, resumed))
     out = {"reps": args.reps, "nprocs": args.nprocs, "overrides": args.overrides,
            "fresh_to_first_step_s": fresh, "resume_to_first_step_s": resumed,
-           "fresh_median_s": f, "resume_median_s": r, "ratio_resume_over_fresh": r / f}
+           "rank_load_s": loads, "plan_s": plans,
+           "fresh_median_s": f, "resume_median_s": r, "ratio_resume_over_fresh": r / f,
+           "ratio_median_of_pairs": pair}
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"fresh `rl train`  -> first step : {f:7.2f} s  (median of {args.reps})")
     print(f"`rl resume`       -> first step : {r:7.2f} s  (median of {args.reps})")
-    print(f"resume / fresh                  : {r / f:7.2f}x")
+    print(f"  of which: plan (driver)       : {statistics.median(plans):7.3f} s")
+    print(f"            load (slowest rank) : {statistics.median(loads):7.3f} s")
+    print(f"resume / fresh                  : {r / f:7.2f}x  (median of per-pair ratios {pair:.2f}x)")
 
 
 if __name__ == "__main__":

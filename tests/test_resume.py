@@ -99,7 +99,7 @@ def _save(eng, run: Path, step: int) -> Path:
         RunDir(run).create(eng.cfg, [], overwrite=False)
     prepare_tmp(run, step)
     save_rank_state(run, step, eng.checkpoint_state(), 0, rng_state(torch.Generator().manual_seed(7)))
-    manifest = {"samples_seen": 4 * step, "world_size": 1, "engine": "fsdp",
+    manifest = {"samples_seen": 4 * step, "world_size": 1, "engine": eng.cfg.engine.name,
                 "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
                 "model": {"preset": "tiny", "path": "", "num_params": 144, "params": eng.param_shapes()},
                 "optimizer": {"type": "AdamW", "flattened": True, "param_state": eng.optimizer_coverage()},
@@ -656,3 +656,90 @@ def test_model_that_differs_from_checkpoint_is_refused_by_the_ranks(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "different model" in " ".join(r.stderr.split()) and "mlp" in r.stderr
     assert _snapshot(run) == before
+
+
+# ---- slow: the same load path on the Megatron engine's optimizer layout ------------------
+def _megatron_session(rank: int, world: int, workdir: str) -> None:
+    """One gloo rank: a MegatronEngine (TP=1) takes a step and is checkpointed; then the
+    checkpoint is edited and reloaded into fresh engines through load_rank_state."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from engine.backends.megatron.engine import MegatronEngine
+    from engine.batch import SequenceBatch
+    from engine.config.schema import MegatronEngineConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+    cfg = RunConfig(trainer=TrainerConfig(total_steps=4, seed=3),
+                    model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32),
+                    optim=OptimConfig(lr=1e-3, warmup_steps=0),
+                    engine=MegatronEngineConfig(max_tokens_per_micro_batch=64))
+
+    def engine():
+        e = MegatronEngine(cfg, "", 41, 0, 1, torch.device("cpu"), 1)
+        e.build()
+        return e
+
+    class Loss:
+        needs_entropy = False
+
+        def __call__(self, lp, ent, mb, n_tokens, n_seqs):
+            loss = -(mb.advantages * lp * mb.response_mask).sum() / n_tokens
+            return loss, {"pg_loss": float(loss)}
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 41, (4, 12), generator=g)
+    attn = torch.ones_like(ids)
+    resp = (torch.arange(12)[None] >= 3).float().expand(4, 12).contiguous()
+    batch = SequenceBatch(input_ids=ids, attention_mask=attn, response_mask=resp,
+                          prompt_lengths=torch.full((4,), 3), advantages=torch.randn(4, 1, generator=g).expand(4, 12)
+                          * resp)
+    a = engine()
+    a.train_step(batch, Loss())
+    run = Path(workdir) / "run"
+    step_dir = _save(a, run, 1)
+    names = sorted(a.optimizer_coverage())
+    backfilled, damaged = names[-1], names[0]
+    man = json.loads((step_dir / "manifest.json").read_text())
+    man["optimizer"]["param_state"][backfilled] = False   # as if it had had no gradient yet
+    (step_dir / "manifest.json").write_text(json.dumps(man))
+    out = {"names": names, "backfilled": backfilled, "damaged": damaged}
+
+    b = engine()
+    rep = load_rank_state(step_dir, b, rank, None, {"allow_partial": False, "step": 1})
+    out["report"] = rep["optimizer"]
+    out["weights_exact"] = all(torch.equal(v, a.export_hf_state_dict()[k]) for k, v in b.export_hf_state_dict().items())
+    sa, sb = a.checkpoint_state()["optim"], b.checkpoint_state()["optim"]
+    out["loaded_exact"] = all(torch.equal(sa[k], sb[k]) for k in sa if k.startswith("state.")
+                              and backfilled not in k and isinstance(sa[k], torch.Tensor))
+    out["backfilled_initial"] = all(not sb[k].any() for k in sb if k.startswith(f"state.{backfilled}."))
+
+    _drop_from_dcp(step_dir / "state", {f"optim.state.{damaged}.exp_avg"})
+    try:
+        load_rank_state(step_dir, engine(), rank, None, {"allow_partial": False, "step": 1})
+        out["refused"] = None
+    except CheckpointError as e:
+        out["refused"] = e.message
+    rep = load_rank_state(step_dir, engine(), rank, None, {"allow_partial": True, "step": 1})
+    out["partial"] = rep["optimizer"]
+    torch.save(out, Path(workdir) / "megatron.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_backfill_and_refusal_on_megatron_optimizer_layout(tmp_path):
+    """The same rank-side load on the Megatron engine (which writes an initial-state template
+    for gradient-less parameters): a param_state-false parameter is backfilled to the initial
+    state, everything else loads bit-exactly, a deleted entry is refused by name and accepted
+    with allow_partial."""
+    pytest.importorskip("megatron.core")
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_entry, args=(1, str(tmp_path / "store"), _megatron_session, (str(tmp_path),)),
+                       nprocs=1, join=True, start_method="spawn")
+    r = torch.load(tmp_path / "megatron.pt", weights_only=False)
+    assert r["report"]["backfilled"] == [r["backfilled"]]
+    assert r["report"]["loaded"] == len(r["names"]) - 1
+    assert r["weights_exact"] and r["loaded_exact"] and r["backfilled_initial"]
+    assert r["refused"] and r["damaged"] in r["refused"] and "--allow-partial" in r["refused"]
+    assert sorted(r["partial"]["backfilled"]) == sorted([r["backfilled"], r["damaged"]])

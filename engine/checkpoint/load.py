@@ -583,6 +583,7 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
 
     from engine.checkpoint.save import set_rng_state
 
+    t0 = time.perf_counter()
     step_dir = Path(step_dir)
     manifest = read_manifest(StepDir(step_dir, int(plan.get("step", manifest_step(step_dir)))))
     trainer_state = json.loads((step_dir / "trainer.json").read_text())
@@ -635,7 +636,7 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     return {"rank": rank, "model_tensors": len(live_model),
             "optimizer": {"loaded": len(entries.loaded), "backfilled": backfilled},
             "lr_scheduler": {"last_epoch": (sched or {}).get("last_epoch")},
-            "rng": rng_source, "buckets": buckets}
+            "rng": rng_source, "buckets": buckets, "seconds": round(time.perf_counter() - t0, 4)}
 
 
 def manifest_step(step_dir: Path) -> int:
