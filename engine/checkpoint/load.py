@@ -186,7 +186,7 @@ def classify_optimizer_entries(expected: Iterable[str], saved: set[str], param_s
             if key not in saved:
                 unknown.append(key)
             continue
-        kind, fqn, _name = hit
+        _kind, fqn, _name = hit
         keys_of.setdefault(fqn, []).append(key)
         if key not in saved:
             absent.setdefault(fqn, []).append(key)
@@ -413,7 +413,8 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         saved_cfg = config_from_dict(manifest["config"])
     except UserError as e:
         raise CheckpointError(f"The config saved in {step.path / MANIFEST} no longer validates: {e.message} "
-                              f"Resume it with the rl version that wrote it.", title="incompatible checkpoint") from None
+                              f"Resume it with the rl version that wrote it.",
+                              title="incompatible checkpoint") from None
     refusals: list[str] = []
     applied = []
     for o in overrides:  # the engine is a config group: refuse it here, by name, not as an unknown key

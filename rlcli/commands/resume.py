@@ -20,6 +20,12 @@ keep_last, memory settings (offload, micro-batches). Refused: model.*, task.*, d
 engine.name, trainer.seed, sampling settings. Details: docs/resume.md."""
 
 
+def complete_path(incomplete: str):
+    from rlcli.completion_keys import complete_ckpt_path_described
+
+    return complete_ckpt_path_described(incomplete)
+
+
 def complete_override(incomplete: str):
     from rlcli.completion_keys import complete_override as _complete
 
@@ -31,7 +37,7 @@ def register(app: typer.Typer) -> None:
     def resume(
         path: Annotated[str, typer.Argument(
             help="A run directory (its latest complete step_N is used) or one step_N directory.",
-            show_default=False)],
+            show_default=False, autocompletion=complete_path)],
         overrides: Annotated[Optional[list[str]], typer.Argument(
             help="key=value changes allowed on resume, e.g. trainer.total_steps=200 trainer.nprocs=1.",
             show_default=False, autocompletion=complete_override)] = None,
