@@ -1,0 +1,139 @@
+"""Moving trainer weights into a running vLLM engine (the vLLM rollout's weight sync).
+
+Two halves, one per process:
+
+* trainer side (``HFExportDir``): a per-rank directory (on /dev/shm when available) holding
+  the policy as a Hugging Face checkpoint: ``config.json`` written once at startup, and
+  ``model.safetensors`` rewritten (atomically) at every sync;
+* vLLM side (``WeightSyncExtension``): methods added to vLLM's worker class through
+  ``LLM(worker_extension_cls=...)`` and called with ``llm.collective_rpc(name, args)``.
+  Arguments cross the process boundary as plain data (a path, a bool), never tensors.
+
+``rl_reload_weights`` uses vLLM's in-place reload (``Worker.reload_weights``: layer-wise
+load, then the same post-load processing as at startup, e.g. the CPU backend's GEMM weight
+prepacking), then repairs tied embeddings: with ``tie_word_embeddings`` the checkpoint has
+no ``lm_head.weight`` (vLLM skips it), so the reload re-processes the embedding layer but
+never the LM head, whose prepacked CPU GEMM handle keeps the *old* weights (measured: log-prob
+errors of 17-30 nats after one sync). Re-running the head's ``process_weights_after_loading``
+rebuilds it from the shared, freshly loaded tensor.
+
+This module is imported inside vLLM's worker process; it must not import vLLM at the top.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def shm_dir() -> str | None:
+    """/dev/shm when it is a writable directory (RAM-backed: no disk I/O per sync), else None."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class HFExportDir:
+    """A temporary HF model directory that vLLM starts from and reloads weights from."""
+
+    def __init__(self, hf_config, tie_word_embeddings: bool, dtype: torch.dtype, rank: int = 0):
+        self.path = Path(tempfile.mkdtemp(prefix=f"rl-vllm-rank{rank}-", dir=shm_dir()))
+        self.tied = bool(tie_word_embeddings)
+        self.dtype = dtype
+        hf_config.save_pretrained(self.path)
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    def write_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Write ``state_dict`` (HF names) as model.safetensors; returns bytes written.
+
+        Tied models: ``lm_head.weight`` is dropped (it is the embedding; vLLM ignores it and
+        safetensors refuses shared storage). Written to a temp name, then renamed, so vLLM
+        never reads a half-written file.
+        """
+        from safetensors.torch import save_file
+
+        out = {}
+        for k, v in state_dict.items():
+            if self.tied and k == "lm_head.weight":
+                continue
+            t = v.detach()
+            if hasattr(t, "full_tensor"):  # a DTensor that slipped through
+                t = t.full_tensor()
+            t = t.to(device="cpu", dtype=self.dtype if t.is_floating_point() else t.dtype)
+            out[k] = t.contiguous()
+        tmp = self.path / (WEIGHTS_FILE + ".tmp")
+        save_file(out, str(tmp))
+        os.replace(tmp, self.weights_path)
+        return sum(t.numel() * t.element_size() for t in out.values())
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _lm_head(model):
+    return getattr(model, "lm_head", None)
+
+
+def _kv_tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _kv_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _kv_tensors(v)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is the worker."""
+
+    def rl_reload_weights(self, weights_dir: str, tied_embeddings: bool) -> dict:
+        """Reload every weight in place from ``weights_dir`` (a directory of safetensors)."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=weights_dir, is_checkpoint_format=True)
+        relinked = False
+        if tied_embeddings:
+            model = self.model_runner.get_model()
+            head = _lm_head(model)
+            if head is not None and hasattr(head, "quant_method"):
+                embed = getattr(getattr(model, "model", model), "embed_tokens", None)
+                if embed is not None and head.weight.data_ptr() != embed.weight.data_ptr():
+                    with torch.no_grad():
+                        head.weight.data.copy_(embed.weight.data)
+                head.quant_method.process_weights_after_loading(head)
+                relinked = True
+        return {"seconds": time.perf_counter() - t0, "lm_head_reprocessed": relinked}
+
+    def rl_kv_cache_bytes(self) -> int:
+        """Bytes of the KV-cache tensors this worker allocated."""
+        seen, total = set(), 0
+        for t in _kv_tensors(getattr(self.model_runner, "kv_caches", [])):
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def rl_process_memory(self) -> dict:
+        """This vLLM worker process: resident host bytes, and on CUDA its device bytes."""
+        import psutil
+
+        out = {"rss": int(psutil.Process().memory_info().rss)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda_allocated"] = int(torch.cuda.memory_allocated())
+            out["cuda_reserved"] = int(torch.cuda.memory_reserved())
+        return out
+
+    def rl_weight_checksum(self, names: list[str]) -> dict:
+        """Sum of each named parameter in vLLM's model (debugging a sync by hand)."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        return {n: float(params[n].double().sum()) for n in names if n in params}
