@@ -166,7 +166,9 @@ def test_estimate_matches_measured_on_the_default_cpu_job():
     tracker = MemoryTracker("cpu", models={"policy": model}, optimizer=opt)
     with tracker.phase("update", step=1):
         _train_step(model, opt, tracker, ids, mask)
-    est = estimate_memory(RunConfig(), vocab_size=VOCAB, seq_len=30)
+    from engine.config.schema import DataConfig
+
+    est = estimate_memory(RunConfig(data=DataConfig(train_batch_size=16)), vocab_size=VOCAB, seq_len=30)
     assert est.assumptions["micro_batch_sequences"] == 128 and est.assumptions["micro_batch_tokens"] == 128 * 30
 
     report = build_report("test", est, tracker.phase_records())
@@ -497,7 +499,9 @@ def test_report_json_is_valid_and_records_round_trip(tmp_path):
     path = save_records(tracker.phase_records(), tmp_path)
     loaded = load_records(tmp_path)
     assert path.name == "memory.jsonl" and [r.to_json() for r in loaded] == tracker.records()
-    est = estimate_memory(RunConfig(), vocab_size=VOCAB, seq_len=30)
+    from engine.config.schema import DataConfig
+
+    est = estimate_memory(RunConfig(data=DataConfig(train_batch_size=16)), vocab_size=VOCAB, seq_len=30)
     report = build_report(str(tmp_path), est, loaded)
     doc = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert doc["fp8"]["offloads"] == 2 and doc["fp8"]["workspaces_cleared"] == 8

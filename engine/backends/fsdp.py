@@ -112,6 +112,7 @@ class FSDPEngine(TrainEngine):
         return mbs
 
     def _measure(self, category: str):
+        """Count what autograd saves in the block under ``category`` (yields the meter or None)."""
         from contextlib import nullcontext
 
         return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
@@ -150,12 +151,17 @@ class FSDPEngine(TrainEngine):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             with self._measure("activations"):
                 logits = self._forward_logits(self.model, mb.batch)
-            if self.tracker is not None:
-                self.tracker.record_tensors("logits", logits)
-            lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
-                                      with_entropy=True)
+            with self._measure("logits") as meter:
+                if meter is not None:
+                    meter.add(logits)
+                lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device),
+                                          self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
+            if ent is None:  # entropy is only a metric here: compute it without keeping a graph
+                with torch.no_grad():
+                    _, ent = token_log_probs(logits.detach(), mb.batch.input_ids.to(self.device),
+                                             self.cfg.rollout.temperature, with_entropy=True)
             dev_mb = _to_device(mb.batch, self.device)
-            loss, m = loss_fn(lp, ent.detach() if not loss_fn.needs_entropy else ent, dev_mb, n_tokens, n_seqs)
+            loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
             loss.backward()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -166,6 +172,8 @@ class FSDPEngine(TrainEngine):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if self.tracker is not None:
+            self.tracker.sample_state()  # grads are live only until the step below
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._scheduler.step()
@@ -186,8 +194,12 @@ class FSDPEngine(TrainEngine):
         try:
             yield m
         finally:
+            from torch.distributed.fsdp import FSDPModule
+
             m.set_reshard_after_forward(self.cfg.engine.reshard_after_forward, recurse=True)
-            m.reshard()
+            for mod in m.modules():  # reshard() is not recursive: free every layer's gathered weights
+                if isinstance(mod, FSDPModule):
+                    mod.reshard()
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

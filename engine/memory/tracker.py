@@ -113,15 +113,21 @@ class SavedTensorsMeter:
     def __init__(self, exclude: set):
         self._exclude = exclude
         self._seen: set = set()
+        self._alive: list = []   # hold counted storages so a freed address is never re-used in-block
         self.bytes = 0
         self.tensors = 0
 
     def _count(self, t: torch.Tensor) -> None:
+        # weights saved by matmuls are params, including FSDP2's all-gathered (unsharded) ones,
+        # which are freed during forward and are not in the exclusion set
+        if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
+            return
         for inner in tensors_in(t):
             k = storage_key(inner)
             if k in self._exclude or k in self._seen:
                 continue
             self._seen.add(k)
+            self._alive.append(inner)
             self.bytes += storage_bytes([inner])
             self.tensors += 1
 

@@ -45,6 +45,7 @@ class StepRecord:
     pad_fraction: float
     distinct_shapes: int
     timing: dict = field(default_factory=dict)     # phase -> seconds
+    micro_batch_shapes: list = field(default_factory=list)  # distinct [rows, length] trained on
     val_accuracy: float | None = None
     val_reward: float | None = None
     checkpoint: str | None = None

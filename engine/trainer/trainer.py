@@ -162,6 +162,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         update_tokens_per_s=tokens / max(timing["update"], 1e-9),
         step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
         pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
+        micro_batch_shapes=[list(s) for s in sorted(shapes)],
         timing=timing, memory=memory)
 
 
