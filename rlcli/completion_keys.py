@@ -41,6 +41,7 @@ GROUP_DEFAULTS_FALLBACK = {"engine": "fsdp", "task": "echo", "model": "tiny", "a
                            "rollout": "torch"}
 TREE_FORMAT = 2
 CACHE_ENV = "RL_COMPLETION_CACHE"
+KEEP_TREES = 8  # cached trees kept in the cache directory (one per version of the sources)
 COMPLETE_ENV = "_RL_COMPLETE"
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -116,9 +117,10 @@ def key_tree() -> dict:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(tree, separators=(",", ":")))
         os.replace(tmp, path)
-        for old in path.parent.glob("keys-*.json"):  # earlier versions of the sources
-            if old != path:
-                old.unlink(missing_ok=True)
+        # Keep the few newest trees (several installs of rl may share this directory).
+        trees = sorted(path.parent.glob("keys-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in trees[KEEP_TREES:]:
+            old.unlink(missing_ok=True)
     except OSError:
         pass  # read-only home: completion still works, just builds every time
     return tree
