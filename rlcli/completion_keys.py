@@ -47,8 +47,6 @@ STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 RUN_MARKER = "run.json"
 
-Candidates = list  # list[str] | list[tuple[str, str]]: (value, help) pairs for zsh/fish
-
 
 # ---------------------------------------------------------------------------------------------
 # Where the sources are, and the cache keyed by their contents
@@ -523,6 +521,10 @@ def complete_override(incomplete: str) -> list[tuple[str, str]]:
             _, bash_key = _typed_words()
             if bash_key is not None:
                 value = "" if incomplete == "=" else incomplete
+                if bash_key.startswith("-"):  # `--engine=me`: Click took `=` for the option's value
+                    if bash_key not in ("--engine", "-e"):
+                        return []
+                    return [e for e in engine_options() if e.startswith(value)]
                 strip = len(bash_key) + 1
                 return [(c[strip:], _short(h)) for c, h in _override_items(f"{bash_key}={value}")]
         return [(c, _short(h)) for c, h in _override_items(incomplete)]

@@ -195,6 +195,9 @@ def test_bash_completes_the_value_after_equals(monkeypatch):
     for k, v in _bash_protocol("rl train task=ec").items():
         monkeypatch.setenv(k, v)
     assert _values(ck.complete_override("ec")) == ["echo"]
+    for k, v in _bash_protocol("rl train --engine=me").items():
+        monkeypatch.setenv(k, v)
+    assert _values(ck.complete_override("me")) == ["megatron"]
     for k, v in _bash_protocol("rl train engine.param_off").items():
         monkeypatch.setenv(k, v)
     got = _values(ck.complete_override("engine.param_off"))
