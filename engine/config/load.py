@@ -163,12 +163,17 @@ def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 
 
 def _parse_value(text: str):
+    import re
+
     import yaml
 
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        v = yaml.safe_load(text) if text != "" else ""
     except Exception:
         return text
+    if isinstance(v, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", v):
+        return float(v)  # YAML 1.1 reads 1e-3 as a string
+    return v
 
 
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")

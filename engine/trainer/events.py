@@ -20,8 +20,9 @@ class RunPlan:
     start_step: int
     rollout: str
     key_settings: dict          # key -> value for the hyper-parameters people check first
-    changed: dict               # key -> (default, now)
+    changed: dict               # key -> (before, now): before = the default, or the checkpoint's value on resume
     run_dir: str
+    changed_from: str = "default"   # what `before` in `changed` is: "default" or "checkpoint"
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -18,6 +18,7 @@ import torch
 
 from engine.algorithms.advantages import grpo_advantages, token_advantages
 from engine.batch import SequenceBatch
+from engine.checkpoint.layout import step_dir_name
 from engine.config.schema import RunConfig
 from engine.trainer.data import PromptStream
 from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
@@ -59,13 +60,18 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                     v = validate(cfg, inputs, workers, step)
                     rec.val_accuracy, rec.val_reward = v.accuracy, v.reward
                     val_after = v.accuracy if v.accuracy is not None else v.reward
-                if (cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
-                        (last and cfg.checkpoint.save_final):
-                    workers.onload(step)  # checkpoints read the live params and optimizer state
-                    rec.checkpoint = str(rdir.save(cfg, workers, step, stream))
-                    checkpoints.append(rec.checkpoint)
+                saving = bool(cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
+                    (last and cfg.checkpoint.save_final)
+                if saving:
+                    rec.checkpoint = str(rdir.path / step_dir_name(step))
+                # the step's rows go to disk before its checkpoint: a kill between the two can
+                # only leave rows that resume truncates, never a checkpoint without its rows
                 rdir.append_metrics(rec)
                 rdir.append_memory(rec.memory)
+                if saving:
+                    workers.onload(step)  # checkpoints read the live params and optimizer state
+                    rdir.save(cfg, workers, step, stream)
+                    checkpoints.append(rec.checkpoint)
                 records.append(rec)
                 on_event(rec)
         finally:
@@ -203,4 +209,5 @@ def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: 
                    ranks=c.trainer.nprocs, dp_size=workers.dp_size, device=workers.info[0]["device"],
                    task=c.task.name, num_train=len(inputs.train_prompts), num_val=len(inputs.val_prompts),
                    total_steps=c.trainer.total_steps, start_step=start_step, rollout=c.rollout.name,
-                   key_settings=key, changed=changed, run_dir=str(run_dir))
+                   key_settings=key, changed=changed, run_dir=str(run_dir),
+                   changed_from="checkpoint" if start_step else "default")

@@ -44,9 +44,10 @@ def plan_table(plan) -> Table:
     for k, v in plan.key_settings.items():
         mark = "  [yellow](changed)[/]" if k in plan.changed else ""
         t.add_row(k, f"{v}{mark}")
+    before = "was" if plan.changed_from == "checkpoint" else "default"
     for k, (old, new) in plan.changed.items():
         if k not in plan.key_settings:
-            t.add_row(k, f"{new}  [yellow](default {old})[/]")
+            t.add_row(k, f"{new}  [yellow]({before} {old})[/]")
     t.add_row("run dir", plan.run_dir)
     return t
 
