@@ -356,6 +356,8 @@ def set_vllm_env(device: torch.device) -> None:
     # with the trainer and destroys the trainer's default process group at shutdown
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # stdout is the CLI's (`rl train --json` prints JSON there; Ray forwards ranks' stdout to it)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def hf_config_for(cfg: RunConfig, model_path: str, vocab: dict):

@@ -93,12 +93,31 @@ def _kv_tensors(obj):
             yield from _kv_tensors(v)
 
 
+class _QuietBufferOnlyLayers:
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning on every reload: the
+    rotary cos/sin cache is a buffer no checkpoint holds, and vLLM keeps it (verified by
+    verify_sync after each reload)."""
+
+    def filter(self, record) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]))
+
+
+def _quiet_reload_logs() -> None:
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _QuietBufferOnlyLayers) for f in log.filters):
+        log.addFilter(_QuietBufferOnlyLayers())
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is the worker."""
 
     def rl_reload_weights(self, weights_dir: str, tied_embeddings: bool) -> dict:
         """Reload every weight in place from ``weights_dir`` (a directory of safetensors)."""
         t0 = time.perf_counter()
+        _quiet_reload_logs()
         self.reload_weights(weights_path=weights_dir, is_checkpoint_format=True)
         relinked = False
         if tied_embeddings:
