@@ -71,6 +71,7 @@ class MegatronEngine(TrainEngine):
         self._gen_model = None     # transformers model with full weights, for sampling
         self._gen_stale = False
         self._offloaded = False
+        self.use_te = False        # Transformer-Engine layer spec (set by build)
         self.tracker = None        # engine.memory.tracker.MemoryTracker, set by the worker
 
     @property
@@ -318,7 +319,11 @@ class MegatronEngine(TrainEngine):
                 stats.tokens += int(mb.real_tokens)
                 stats.padded_tokens += int(mb.padded_tokens)
             stats.shapes.add(tuple(mb.shape))
-        self.model.finish_grad_sync()
+        # DP all-reduce of main_grad (finish_grad_sync) plus, under sequence parallelism, the
+        # TP all-reduce of norm weights that each saw only a slice of the sequence
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
         grad_norm = self.opt.step(self.cfg.optim.grad_clip)
         self.opt.scheduler.step()
         self._gen_stale = True
