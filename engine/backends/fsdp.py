@@ -76,7 +76,10 @@ class FSDPEngine(TrainEngine):
         self.optimizer, self._scheduler = build_optimizer(self.model.parameters(), c.optim, self.total_updates)
         from engine.batching.buckets import make_bucket_policy
 
-        self.bucket_policy = make_bucket_policy(c.engine)  # long-lived: policy=learned sees every step
+        # long-lived, so policy=learned sees every step; the longest sequence is its top boundary
+        self.bucket_policy = make_bucket_policy(c.engine, max_length=c.data.max_prompt_length
+                                                + c.rollout.max_new_tokens)
+        self._updates = 0
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -100,7 +103,9 @@ class FSDPEngine(TrainEngine):
 
         split = lambda k, obs: split_micro_batches(batch, self.cfg.engine, self.bucket_policy,  # noqa: E731
                                                    self.pad_token_id, min_micro_batches=k, observe=obs)
-        mbs = split(1, observe)
+        mbs = split(1, False)
+        if observe:
+            self._observe_lengths(mbs)
         n = torch.tensor([len(mbs)])
         if self.world_size > 1:
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -116,6 +121,16 @@ class FSDPEngine(TrainEngine):
         from contextlib import nullcontext
 
         return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
+
+    def _observe_lengths(self, mbs) -> None:
+        """Feed every rank's natural micro-batch lengths to every rank's bucket policy, so all
+        ranks fit the same boundaries (and so the same shapes)."""
+        local = [(mb.natural_tokens // max(1, mb.num_rows), mb.num_rows) for mb in mbs]
+        if self.world_size > 1:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, local)
+            local = [x for part in gathered for x in part]
+        self.bucket_policy.observe([n for n, _ in local], [w for _, w in local])
 
     @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
@@ -177,6 +192,8 @@ class FSDPEngine(TrainEngine):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._scheduler.step()
+        self._updates += 1
+        self.bucket_policy.maybe_refresh(self._updates)
         sums["grad_norm"] = float(grad_norm) / self.world_size  # summed over ranks by the trainer
         sums["lr"] = self._scheduler.get_last_lr()[0] / self.world_size
         stats.metrics = sums
