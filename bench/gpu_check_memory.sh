@@ -2,7 +2,7 @@
 # GPU check for engine/memory (issue 5). One script, a few minutes on one H200; run it from the
 # repository root on a machine with a CUDA device:
 #
-#     bash bench/gpu_check.sh            # GPU_CHECK_TIMEOUT=540 by default
+#     bash bench/gpu_check_memory.sh     # GPU_CHECK_TIMEOUT=180 here when run from bench/gpu_check.sh
 #
 # Part 1 (needs torch with CUDA; transformers for the estimate comparison):
 #   a Llama-style model (HF transformers, fp32) on the device: one measured update step, then

@@ -176,6 +176,12 @@ def check_cross_field(cfg: RunConfig) -> None:
 
     validate_run_padding(cfg)
     if e.name == "megatron":
+        if e.pipeline_model_parallel_size > 1 or e.context_parallel_size > 1:
+            raise ConfigError(
+                "The megatron backend runs data and tensor parallelism; pipeline and context parallelism "
+                f"(engine.pipeline_model_parallel_size={e.pipeline_model_parallel_size}, "
+                f"engine.context_parallel_size={e.context_parallel_size}) are not supported yet. Set both to 1 "
+                "and use engine.tensor_model_parallel_size / more data-parallel ranks.", title="invalid config")
         mp = e.tensor_model_parallel_size * e.pipeline_model_parallel_size * e.context_parallel_size
         if cfg.trainer.nprocs % mp:
             raise ConfigError(

@@ -324,8 +324,12 @@ class MegatronEngine(TrainEngine):
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
+        if self.tracker is not None:
+            self.tracker.sample_state()  # grads are live only until the step below
         grad_norm = self.opt.step(self.cfg.optim.grad_clip)
         self.opt.scheduler.step()
+        self._updates = getattr(self, "_updates", 0) + 1
+        self.bucket_policy.maybe_refresh(self._updates)
         self._gen_stale = True
         sums["grad_norm"] = grad_norm / self.world_size  # summed over ranks by the trainer
         sums["lr"] = self.opt.scheduler.get_last_lr()[0] / self.world_size
