@@ -420,6 +420,14 @@ class TmuxShell:
         envs = " ".join(f"{k}={v}" for k, v in env.items())
         subprocess.run(self.tmux + ["new-session", "-d", "-x", "220", "-y", "50", "-s", "t", "-c", str(cwd),
                                     f"env -i {envs} {argv}"], check=True)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()  # never leave a tmux server behind
+            raise
+
+    def _setup(self) -> None:
+        shell = self.shell
         script = REPO / "completions" / f"rl.{shell}"
         setup = {
             "bash": f"PS1='{PROMPT}'; source {script}",
