@@ -7,6 +7,7 @@ completion import only this module, typer and the command modules' signatures.
 from __future__ import annotations
 
 import importlib
+import os
 
 import typer
 
@@ -33,6 +34,10 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    if os.environ.get("_RL_COMPLETE"):  # a TAB: skip Typer's pydantic coercion and rich help rendering
+        from rlcli.completion_keys import speed_up_completion
+
+        speed_up_completion()
     app()
 
 

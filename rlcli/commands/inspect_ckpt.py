@@ -33,16 +33,23 @@ Only metadata is read; pickled files go through a restricted reader that never r
 """
 
 
+def complete_path(incomplete: str):
+    from rlcli.completion_keys import complete_inspect_path
+
+    return complete_inspect_path(incomplete)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "inspect-ckpt",
+        rich_help_panel="Inspect",
         help="See inside any checkpoint without loading its tensors: rl, DCP, Megatron, "
              "safetensors, verl FSDP, torch.save.",
         epilog=EPILOG,
     )
     def inspect_ckpt(
         path: Path = typer.Argument(..., help="checkpoint dir or file, or a run root (ckpt/)",
-                                    metavar="PATH", show_default=False),
+                                    metavar="PATH", show_default=False, autocompletion=complete_path),
         keys: Optional[str] = typer.Option(
             None, "--keys", metavar="GLOB",
             help="list tensors whose name matches GLOB (e.g. 'model.layers.0.*'; '*' for all)"),
