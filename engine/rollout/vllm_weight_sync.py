@@ -45,6 +45,7 @@ class HFExportDir:
         self.path = Path(tempfile.mkdtemp(prefix=f"rl-vllm-rank{rank}-", dir=shm_dir()))
         self.tied = bool(tie_word_embeddings)
         self.dtype = dtype
+        self.keys: set | None = None  # the tensor names of the first write; every sync must match
         hf_config.save_pretrained(self.path)
 
     @property
@@ -69,6 +70,14 @@ class HFExportDir:
                 t = t.full_tensor()
             t = t.to(device="cpu", dtype=self.dtype if t.is_floating_point() else t.dtype)
             out[k] = t.contiguous()
+        keys = set(out)
+        if not keys or (self.keys is not None and keys != self.keys):
+            lost = sorted(self.keys - keys)[:5] if self.keys else []
+            raise RuntimeError(
+                f"the trainer's export_hf_state_dict() gave this rank {len(keys)} tensors"
+                + (f" (missing {lost}...)" if lost else "") + "; the vLLM rollout needs the full weights on "
+                "every rank (a full_state_dict gathered to rank 0 only is not enough)")
+        self.keys = keys
         tmp = self.path / (WEIGHTS_FILE + ".tmp")
         save_file(out, str(tmp))
         os.replace(tmp, self.weights_path)
