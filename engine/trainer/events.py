@@ -63,6 +63,10 @@ class Validation:
     step: int
     accuracy: float | None
     reward: float
+    correct: list | None = None     # per held-out problem, in order (when the task defines it)
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass

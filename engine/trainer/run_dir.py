@@ -67,6 +67,10 @@ class RunDir:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record.to_json(), default=str) + "\n")
 
+    def append_validation(self, v) -> None:
+        with open(self.path / "validation.jsonl", "a") as f:
+            f.write(json.dumps(v.to_json()) + "\n")
+
     def append_memory(self, records: list) -> None:
         from engine.memory.report import save_records
 

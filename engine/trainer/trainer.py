@@ -51,6 +51,7 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
             if cfg.trainer.val_freq and start_step == 0:
                 v = validate(cfg, inputs, workers, start_step)
                 val_before = v.accuracy if v.accuracy is not None else v.reward
+                rdir.append_validation(v)
                 on_event(v)
             checkpoints = []
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
@@ -59,6 +60,7 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                 if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                     v = validate(cfg, inputs, workers, step)
                     rec.val_accuracy, rec.val_reward = v.accuracy, v.reward
+                    rdir.append_validation(v)
                     val_after = v.accuracy if v.accuracy is not None else v.reward
                 saving = bool(cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
                     (last and cfg.checkpoint.save_final)
@@ -181,10 +183,11 @@ def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validatio
     responses = decode_responses(inputs.tokenizer, batch)
     ex = inputs.task.val
     reward = sum(inputs.task.reward(e.prompt, r, e.answer) for e, r in zip(ex, responses)) / len(ex)
-    acc = None
+    acc = correct = None
     if inputs.task.correct is not None:
-        acc = sum(bool(inputs.task.correct(e.prompt, r, e.answer)) for e, r in zip(ex, responses)) / len(ex)
-    return Validation(step, acc, reward)
+        correct = [bool(inputs.task.correct(e.prompt, r, e.answer)) for e, r in zip(ex, responses)]
+        acc = sum(correct) / len(ex)
+    return Validation(step, acc, reward, correct)
 
 
 def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:
