@@ -54,10 +54,30 @@ class OffloadReport:
 
 
 class TrainEngine(ABC):
-    """A sharded policy (plus optional frozen reference) with its optimizer and schedule."""
+    """A sharded policy (plus optional frozen reference) with its optimizer and schedule.
 
-    #: the torch device this rank computes on
-    device: torch.device
+    Constructed on every rank after torch.distributed is initialised; ``build()`` does the
+    heavy work. ``updates_per_step`` (optimizer steps per RL step) sizes the LR schedule.
+    """
+
+    def __init__(self, cfg, model_path: str, vocab_size: int, pad_token_id: int, eos_token_id: int,
+                 device: torch.device, updates_per_step: int):
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.model_path = model_path          # "" = the tiny built-in model
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = torch.device(device)    # the device this rank computes on
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.total_updates = cfg.trainer.total_steps * updates_per_step
+        self.model = None                     # the trained policy (backend-wrapped)
+        self.ref_model = None                 # frozen reference, when algorithm.kl_coef > 0
+        self.bucket_policy = None             # engine.batching.buckets.BucketPolicy, set by build()
+        self.tracker = None                   # engine.memory.tracker.MemoryTracker, set by the worker
+        self._offloaded = False
 
     @abstractmethod
     def build(self) -> None:

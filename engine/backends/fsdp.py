@@ -18,7 +18,6 @@ from engine.backends.base import OffloadReport, StepStats, TrainEngine
 from engine.backends.logprobs import token_log_probs
 from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
-from engine.config.schema import RunConfig
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -28,24 +27,10 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class FSDPEngine(TrainEngine):
-    def __init__(self, cfg: RunConfig, model_path: str, vocab_size: int, pad_token_id: int,
-                 eos_token_id: int, device: torch.device, updates_per_step: int):
-        self.cfg = cfg
-        self.model_path = model_path
-        self.vocab_size = vocab_size
-        self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
-        self.device = device
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.total_updates = cfg.trainer.total_steps * updates_per_step
-        self.model = None
-        self.ref_model = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.optimizer = None
         self._scheduler = None
-        self.bucket_policy = None
-        self._offloaded = False
-        self.tracker = None  # engine.memory.tracker.MemoryTracker, set by the worker
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:

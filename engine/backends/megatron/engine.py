@@ -52,27 +52,14 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine and Apex) 
 
 
 class MegatronEngine(TrainEngine):
-    def __init__(self, cfg: RunConfig, model_path: str, vocab_size: int, pad_token_id: int,
-                 eos_token_id: int, device: torch.device, updates_per_step: int):
-        self.cfg = cfg
-        self.model_path = model_path
-        self.vocab_size = vocab_size
-        self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
-        self.device = torch.device(device)
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.total_updates = cfg.trainer.total_steps * updates_per_step
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.notes: list[str] = []
-        self.model = None          # megatron DDP(GPTModel)
-        self.ref_model = None      # GPTModel, frozen
         self.opt = None            # MainGradAdamW | MegatronOptimizer
-        self.bucket_policy = None
         self._gen_model = None     # transformers model with full weights, for sampling
         self._gen_stale = False
-        self._offloaded = False
         self.use_te = False        # Transformer-Engine layer spec (set by build)
-        self.tracker = None        # engine.memory.tracker.MemoryTracker, set by the worker
+        # self.model: megatron DDP(GPTModel); self.ref_model: GPTModel, frozen
 
     @property
     def optimizer(self):
