@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from engine.backends.base import OffloadReport, StepStats, TrainEngine
 from engine.batch import SequenceBatch
-from engine.config.schema import RunConfig
 from engine.errors import ConfigError
 
 log = logging.getLogger("rl.megatron")
