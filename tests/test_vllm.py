@@ -77,6 +77,35 @@ def test_right_padded_layout_equals_torch_sampler():
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 
 
+def test_export_dir_writes_full_weights_and_refuses_partial(tmp_path):
+    """The HF directory vLLM starts from: config.json + model.safetensors in the model dtype,
+    lm_head dropped for tied models (vLLM ties it itself; safetensors refuses shared storage),
+    and a rank whose export is empty or lost tensors since the first write is refused with a
+    message, not handed to vLLM (FSDP's rank-0-only full_state_dict gave rank 1 nothing)."""
+    from safetensors import safe_open
+
+    from engine.model.build import tiny_hf_config
+    from engine.rollout.vllm_weight_sync import HFExportDir
+
+    cfg = _cfg([*VLLM_TINY, "model.tie_word_embeddings=true"])
+    emb = torch.randn(VOCAB, 128)
+    sd = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": torch.ones(128)}
+    d = HFExportDir(tiny_hf_config(cfg.model, VOCAB, PAD, EOS), True, torch.bfloat16)
+    try:
+        d.write_weights(sd)
+        assert (d.path / "config.json").exists()
+        with safe_open(str(d.weights_path), "pt") as f:
+            assert sorted(f.keys()) == ["model.embed_tokens.weight", "model.norm.weight"]
+            assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="full weights on every rank"):
+            d.write_weights({})
+        with pytest.raises(RuntimeError, match="model.norm.weight"):
+            d.write_weights({"model.embed_tokens.weight": emb})
+    finally:
+        d.remove()
+    assert not d.path.exists()
+
+
 def _vllm_rank(rank, world):
     """One rank: FSDP engine + vLLM sampler on a tied-embedding model (head_dim 32)."""
     from engine.algorithms.policy_loss import PolicyLoss

@@ -164,10 +164,14 @@ class VLLMSampler(Sampler):
         self.asleep = False
         self.llm = None
         t0 = time.perf_counter()
-        self.export.write_weights(state_dict)
         rows = rows_per_call or cfg.data.train_batch_size * cfg.algorithm.rollout_n
         rows = max(rows, cfg.task.num_val)
-        self.llm = self._start(hf_config, rows)
+        try:
+            self.export.write_weights(state_dict)
+            self.llm = self._start(hf_config, rows)
+        except BaseException:
+            self.export.remove()
+            raise
         self.startup_s = time.perf_counter() - t0
         self.kv_cache_bytes = self._kv_cache_bytes()
 
