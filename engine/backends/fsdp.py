@@ -204,10 +204,15 @@ class FSDPEngine(TrainEngine):
                     mod.reshard()
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Every rank gets every tensor (a collective: all ranks call it), gathered one
+        parameter at a time and copied to host, so the device holds one full tensor at most."""
+        from torch.distributed.tensor import DTensor
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                          broadcast_from_rank0=False))
+        out = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[name] = full.detach().to("cpu", copy=True)
+        return out
 
     # ---- memory -------------------------------------------------------------------------
     def offload(self) -> OffloadReport:

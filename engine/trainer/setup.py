@@ -55,4 +55,8 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
             raise ConfigError(f"prompt ({longest}) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
                               f"model.max_position_embeddings ({limit}).", title="invalid config")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id}
+    if cfg.rollout.name == "vllm":  # refuse what vLLM would get wrong, before any rank starts
+        from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
+
+        check_vllm_config(cfg, head_dim_of(hf_config_for(cfg, model_path, vocab)))
     return RunInputs(task, tok, train, val, model_path, vocab)

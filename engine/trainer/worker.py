@@ -52,15 +52,25 @@ class RankWorker:
                                      optimizer=self.engine.optimizer)
         self.engine.tracker = self.tracker
         self.step = 0
-        from engine.rollout.torch_sampler import TorchSampler
-
-        self.sampler = TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device)
         self.dp_rank, self.dp_size = getattr(self.engine, "dp_rank", self.rank), getattr(self.engine, "dp_size",
                                                                                         self.world_size)
+        self.sampler = self._make_sampler()
+        self._weights_stale = False  # the rollout engine holds older weights than the trainer
+        self._sync_probe = None      # fixed sequences for rollout.verify_sync (first rollout's rows)
         self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "device": str(self.device), "params": self.engine.param_count(),
                 "pid": os.getpid()}
+
+    def _make_sampler(self):
+        if self.cfg.rollout.name == "vllm":
+            from engine.rollout.vllm_sampler import VLLMSampler
+
+            return VLLMSampler.from_engine(self.cfg, self.engine, self.model_path, self.vocab, self.device,
+                                           self.rank, self.dp_size)
+        from engine.rollout.torch_sampler import TorchSampler
+
+        return TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device)
 
     def _make_engine(self):
         c = self.cfg
@@ -83,12 +93,43 @@ class RankWorker:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
         t0 = time.perf_counter()
+        if self._weights_stale:
+            self.sync_weights()
         with self.tracker.phase("rollout", self.step) as t:
-            with self.engine.generation_model() as model:
-                batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
+            if getattr(self.sampler, "reads_live_model", True):
+                with self.engine.generation_model() as model:
+                    batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
+            else:  # vLLM holds its own synced copy: no full-weight gather here
+                batch = self.sampler.generate(None, prompts, n, self.generator, greedy=greedy)
+                if self._sync_probe is None:
+                    self._sync_probe = batch.select(slice(0, 4))
             t.record_bytes("kv_cache", self.sampler.last_kv_cache_bytes)
+            if hasattr(self.sampler, "memory"):
+                m = self.sampler.memory()
+                t.note(f"vllm: kv cache {m['kv_cache_bytes']} B, engine processes rss {m['engine_rss_bytes']} B"
+                       + (f", outside torch {m['outside_torch_bytes']} B" if "outside_torch_bytes" in m else ""))
+        if hasattr(self.sampler, "sleep"):
+            self.sampler.sleep()  # GPU: free vLLM's KV cache and weights until the next sync
         return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                        "rss_peak": rss_peak_bytes()}
+
+    def sync_weights(self) -> float:
+        """Push the updated policy into the rollout engine (vLLM; a collective on FSDP, so
+        every rank runs it: generate() calls it first whenever weights changed)."""
+        with self.tracker.phase("weight_sync", self.step) as t:
+            t0 = time.perf_counter()
+            state = self.engine.export_hf_state_dict()
+            export_s = time.perf_counter() - t0
+            seconds = self.sampler.sync_weights(state)
+            del state
+            s = self.sampler.last_sync
+            t.note(f"vllm sync: export {export_s:.3f} s, write {s['write_s']:.3f} s, reload {s['reload_s']:.3f} s, "
+                   f"{s['bytes']} B")
+            if self.cfg.rollout.verify_sync and self._sync_probe is not None:
+                check = self.sampler.verify_sync(self.engine, self._sync_probe)  # raises on mismatch
+                t.note(f"verify_sync: max |dlogp| {check.max_abs:.2e} over {check.tokens} tokens")
+        self._weights_stale = False
+        return seconds
 
     def log_probs(self, batch: SequenceBatch, ref: bool = False) -> torch.Tensor:
         with self.tracker.phase("ref_log_probs" if ref else "old_log_probs", self.step):
@@ -101,6 +142,7 @@ class RankWorker:
         t0 = time.perf_counter()
         with self.tracker.phase("update", self.step):
             stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
+        self._weights_stale = not getattr(self.sampler, "reads_live_model", True)
         return {"metrics": stats.metrics, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
 
@@ -127,7 +169,9 @@ class RankWorker:
     def load(self, step_dir: str, plan: dict) -> dict:
         from engine.checkpoint.load import load_rank_state
 
-        return load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
+        out = load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
+        self._weights_stale = not getattr(self.sampler, "reads_live_model", True)
+        return out
 
     def bucket_state(self) -> list:
         p = getattr(self.engine, "bucket_policy", None)
@@ -136,5 +180,8 @@ class RankWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        sampler = getattr(self, "sampler", None)
+        if hasattr(sampler, "shutdown"):
+            sampler.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
