@@ -50,6 +50,12 @@ class SequenceBatch:
     def tensor_fields(self) -> list[str]:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
+    def to(self, device) -> "SequenceBatch":
+        """The same rows on ``device`` (self when already there)."""
+        if all(getattr(self, n).device == torch.device(device) for n in self.tensor_fields()):
+            return self
+        return SequenceBatch(**{n: getattr(self, n).to(device) for n in self.tensor_fields()}, extras=self.extras)
+
     def select(self, index) -> "SequenceBatch":
         """Rows ``index`` (a list/tensor of ints or a slice), trimmed to their longest row."""
         out = {name: getattr(self, name)[index] for name in self.tensor_fields()}

@@ -160,7 +160,7 @@ class FSDPEngine(TrainEngine):
                 with torch.no_grad():
                     _, ent = token_log_probs(logits.detach(), mb.batch.input_ids.to(self.device),
                                              self.cfg.rollout.temperature, with_entropy=True)
-            dev_mb = _to_device(mb.batch, self.device)
+            dev_mb = mb.batch.to(self.device)
             loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
             loss.backward()
             for k, v in m.items():
@@ -264,13 +264,6 @@ class FSDPEngine(TrainEngine):
     def param_shapes(self) -> dict[str, dict]:
         return {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                 for n, p in self.model.named_parameters()}
-
-
-def _to_device(b: SequenceBatch, device: torch.device) -> SequenceBatch:
-    if device.type == "cpu":
-        return b
-    out = {n: getattr(b, n).to(device) for n in b.tensor_fields()}
-    return SequenceBatch(**out, extras=b.extras)
 
 
 def _zero_weight(mb):

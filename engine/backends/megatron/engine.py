@@ -296,7 +296,7 @@ class MegatronEngine(TrainEngine):
             if self.tracker is not None:
                 self.tracker.record_tensors("logits", logits)
             lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
-            dev_mb = _to_device(mb.batch, self.device)
+            dev_mb = mb.batch.to(self.device)
             loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
             loss.backward()
             for k, v in m.items():
@@ -470,11 +470,3 @@ def _hf_shape(name: str, kind: str, p: torch.Tensor, arch, tp: int) -> tuple[int
         rows = a.num_heads * a.head_dim if ".q_proj." in name else a.num_kv_heads * a.head_dim
         return (rows,) + tuple(p.shape[1:])
     raise ValueError(kind)
-
-
-def _to_device(b: SequenceBatch, device: torch.device) -> SequenceBatch:
-    if device.type == "cpu":
-        return b
-    out = {n: getattr(b, n).to(device) for n in b.tensor_fields()}
-    return SequenceBatch(**out, extras=b.extras)
-
