@@ -53,6 +53,17 @@ class OffloadReport:
     note: str = ""
 
 
+def global_counts(batch: SequenceBatch, group=None, size: int = 1) -> tuple[float, float]:
+    """(response tokens, sequences) of one mini-batch summed over the data-parallel ``group``:
+    the denominators a LossFn needs so that ranks and micro-batches give the global aggregate."""
+    n = torch.tensor([batch.response_mask.sum().item(), float(len(batch))])
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(n, group=group)
+    return float(n[0]), float(n[1])
+
+
 class TrainEngine(ABC):
     """A sharded policy (plus optional frozen reference) with its optimizer and schedule.
 

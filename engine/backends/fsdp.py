@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from engine.backends.base import OffloadReport, StepStats, TrainEngine
+from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
 from engine.backends.logprobs import token_log_probs
 from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
@@ -141,10 +141,7 @@ class FSDPEngine(TrainEngine):
         """One optimizer step on this rank's share of a mini-batch."""
         self.model.train()
         stats = StepStats()
-        n_tok = torch.tensor([batch.response_mask.sum().item(), float(len(batch))])
-        if self.world_size > 1:
-            dist.all_reduce(n_tok)
-        n_tokens, n_seqs = float(n_tok[0]), float(n_tok[1])
+        n_tokens, n_seqs = global_counts(batch, None, self.world_size)
         mbs = self._micro_batches(batch)
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):

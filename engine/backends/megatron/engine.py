@@ -40,7 +40,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from engine.backends.base import OffloadReport, StepStats, TrainEngine
+from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
 from engine.batch import SequenceBatch
 from engine.errors import ConfigError
 
@@ -282,10 +282,7 @@ class MegatronEngine(TrainEngine):
         """One optimizer step on this DP group's share of a mini-batch."""
         self.model.train()
         stats = StepStats()
-        n_tok = torch.tensor([batch.response_mask.sum().item(), float(len(batch))])
-        if self.dp_size > 1:
-            dist.all_reduce(n_tok, group=self.dp_group)
-        n_tokens, n_seqs = float(n_tok[0]), float(n_tok[1])
+        n_tokens, n_seqs = global_counts(batch, self.dp_group, self.dp_size)
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         self.model.zero_grad_buffer()
         self._refresh_fp8_weight_cache(self.model)
