@@ -21,6 +21,7 @@ def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str) -> No
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # no rank tears gloo down while a peer is still finishing its last collective
     finally:
         dist.destroy_process_group()
 

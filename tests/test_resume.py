@@ -500,6 +500,7 @@ def _rank_entry(rank: int, world: int, store: str, fn, args) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears gloo down while a peer is still finishing its last collective
     finally:
         dist.destroy_process_group()
 
