@@ -17,13 +17,24 @@ def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str) -> No
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-        dist.barrier()  # no rank tears gloo down while a peer is still finishing its last collective
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world, *args)
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    exit_after_barrier()
+
+
+def exit_after_barrier() -> None:
+    """End a spawned rank once every rank is done. Tearing a gloo group down (or letting the
+    interpreter finalise it) intermittently aborts with "terminate called without an active
+    exception" on this torch build; the results are already on disk, so skip the teardown."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args):

@@ -497,12 +497,11 @@ def _rank_entry(rank: int, world: int, store: str, fn, args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from tests.dist_utils import exit_after_barrier
+
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()  # no rank tears gloo down while a peer is still finishing its last collective
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world, *args)
+    exit_after_barrier()
 
 
 @pytest.mark.slow
