@@ -63,6 +63,21 @@ def is_run_dir(path: Path) -> bool:
     return (path / "run.json").is_file() or bool(list_steps(path))
 
 
+def manifest_file_problems(step_dir: Path, manifest: dict) -> list[str]:
+    """Every file the manifest lists must exist with its recorded size; what does not."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return []
+    problems = []
+    for rel, size in files.items():
+        p = step_dir / rel
+        if not p.is_file():
+            problems.append(f"{rel} is missing (listed in {MANIFEST})")
+        elif isinstance(size, int) and p.stat().st_size != size:
+            problems.append(f"{rel} is {p.stat().st_size:,} bytes, {MANIFEST} says {size:,}")
+    return problems
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON to ``path`` so a crash leaves either the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")

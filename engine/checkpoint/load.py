@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterable
 
 from engine.checkpoint.layout import (FORMAT, MANIFEST, STEP_RE, TMP_PREFIX, VERSION, StepDir, complete_steps,
-                                      list_steps)
+                                      list_steps, manifest_file_problems)
 from engine.checkpoint.resume_rules import ConfigChange, classify_changes
 from engine.errors import CheckpointError, UserError
 
@@ -130,18 +130,6 @@ def read_manifest(step: StepDir) -> dict:
             raise CheckpointError(f"{step.path / MANIFEST} has no {key!r}; the checkpoint is damaged or was "
                                   f"written by another program.", title="corrupt checkpoint")
     return m
-
-
-def check_files(step_dir: Path, manifest: dict) -> list[str]:
-    """Every file the manifest lists must exist with its recorded size."""
-    problems = []
-    for rel, size in (manifest.get("files") or {}).items():
-        p = step_dir / rel
-        if not p.is_file():
-            problems.append(f"{rel} is missing")
-        elif isinstance(size, int) and p.stat().st_size != size:
-            problems.append(f"{rel} is {p.stat().st_size:,} bytes, the manifest says {size:,}")
-    return problems
 
 
 # ---- which entries are loaded, backfilled, missing ----------------------------------------
@@ -398,7 +386,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     loc = find_checkpoint(Path(path))
     step, root = loc.step, loc.run_root
     manifest = read_manifest(step)
-    problems = check_files(step.path, manifest)
+    problems = manifest_file_problems(step.path, manifest)
     if problems:
         raise CheckpointError(f"{step.path} does not match its manifest: {'; '.join(problems)}. The checkpoint was "
                               f"damaged after it was written; resume an earlier one.{_earlier_hint(root, step)}",

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.checkpoint.layout import manifest_file_problems
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
 from engine.inspect.coverage import rl_coverage
@@ -76,11 +77,6 @@ def _step_from_name(name: str) -> Optional[int]:
     return int(next(g for g in m.groups() if g is not None))
 
 
-def _check_manifest_files(step_dir: Path, manifest: dict) -> list[str]:
-    problems = []
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return problems
     for rel, size in files.items():
         p = step_dir / rel
         if not p.is_file():
@@ -121,7 +117,7 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
         if manifest.get("format") != "rl-checkpoint" or manifest.get("version") != 1:
             rep.notes.append(f"manifest format/version is {manifest.get('format')!r}/"
                              f"{manifest.get('version')!r}; this rl reads rl-checkpoint/1")
-        for p in _check_manifest_files(path, manifest):
+        for p in manifest_file_problems(path, manifest):
             trouble(p)
 
     # state/ (DCP)
@@ -316,7 +312,7 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None) -> RunReport:
                     info.created = str(m.get("created", ""))
                     sv = m.get("samples_seen")
                     info.samples_seen = sv if isinstance(sv, int) else None
-                    problems = _check_manifest_files(d, m)
+                    problems = manifest_file_problems(d, m)
                     if problems:
                         info.reason = "corrupt: " + "; ".join(problems)
             except CheckpointError as e:
