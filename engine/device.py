@@ -32,3 +32,19 @@ def fp8_unavailable_reason() -> str:
     except ImportError:
         return "transformer_engine is not installed (pip install transformer-engine[pytorch])"
     return ""
+
+
+def check_device_config(cfg) -> None:
+    """Refuse (ConfigError, exit 2) a config this machine cannot run: trainer.device=cuda without
+    CUDA, engine.fp8 without Transformer-Engine on an sm >= 8.9 GPU. Kept out of engine.config
+    (which never imports torch) and run before anything starts."""
+    from engine.errors import ConfigError
+
+    if cfg.trainer.device == "cuda" and not cuda_available():
+        raise ConfigError("`trainer.device=cuda` but no CUDA device is visible on this machine. "
+                          "Use trainer.device=auto (or cpu).", title="invalid config value")
+    if cfg.engine.fp8:
+        reason = fp8_unavailable_reason()
+        if reason:
+            raise ConfigError(f"`engine.fp8=true` needs Transformer-Engine on an FP8-capable GPU: {reason}. "
+                              f"Drop engine.fp8 (bf16/fp32 train fine).", title="invalid config value")

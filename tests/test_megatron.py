@@ -116,7 +116,7 @@ class _TokenMeanPG:
 
 def _hf_reference_step(cfg, batch, loss_fn):
     """The same model as the engine's, stepped by plain transformers + torch AdamW."""
-    from engine.backends.logprobs import token_log_probs
+    from engine.algorithms.logprobs import token_log_probs
     from engine.backends.schedule import build_optimizer
     from engine.model.build import build_hf_model
 
@@ -263,7 +263,7 @@ def _session(rank: int, world: int, store: str, workdir: str) -> None:
 def _session_tp2(rank: int, world: int, workdir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from engine.backends.logprobs import token_log_probs
+    from engine.algorithms.logprobs import token_log_probs
     from engine.model.build import build_hf_model
 
     rec: dict = {"model": _model_level_checks(tp=2)}

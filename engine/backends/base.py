@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.batch import SequenceBatch
+from engine.memory.offload import OffloadReport  # noqa: F401  (re-exported: backends return it)
 
 # loss_fn(log_probs [b, t], entropy [b, t] | None, micro_batch, n_tokens_global, n_seqs_global)
 #   -> (loss scalar already scaled for accumulation, metrics dict of floats)
@@ -39,18 +40,6 @@ class StepStats:
     tokens: int = 0            # real (unpadded) tokens processed in forward+backward
     padded_tokens: int = 0     # tokens including bucket padding
     shapes: set = field(default_factory=set)
-
-
-@dataclass
-class OffloadReport:
-    """What an offload or onload moved, and what it freed."""
-
-    param_bytes: int = 0
-    grad_bytes_released: int = 0
-    optimizer_bytes: int = 0
-    fp8_workspaces_cleared: int = 0
-    fp8_workspace_bytes_freed: int = 0
-    note: str = ""
 
 
 def global_counts(batch: SequenceBatch, group=None, size: int = 1) -> tuple[float, float]:

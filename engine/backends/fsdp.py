@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
-from engine.backends.logprobs import token_log_probs
+from engine.algorithms.logprobs import token_log_probs
 from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
 

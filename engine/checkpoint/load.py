@@ -324,15 +324,13 @@ class ResumePlan:
         return self.step
 
     def _rewrite_run_dir(self) -> None:
-        from engine.trainer.run_dir import RunDir
-
         root = Path(self.run_dir)
         stamp = int(time.time())
         for name in self.later_checkpoints:  # an explicit older step: the abandoned future is set aside
             src = root / name
             if src.exists():
                 os.replace(src, root / f".superseded-{name}-{stamp}")
-        RunDir(root).truncate_metrics(self.step)
+        truncate_jsonl(root / "metrics.jsonl", self.step)
         truncate_jsonl(root / MEMORY_FILE, self.step)
         with open(root / RESUME_LOG, "a") as f:
             f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | self.to_json(),
@@ -484,7 +482,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         warnings.append(f"rewinding: newer checkpoints {', '.join(loc.later)} are set aside as .superseded-<name>-* "
                         f"(not deleted) and metric rows after step {step.step} are dropped.")
 
-    from engine.trainer.run_dir import package_versions
+    from engine.env_info import package_versions
 
     now_versions = package_versions()
     then_versions = manifest.get("versions") or {}

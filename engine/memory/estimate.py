@@ -436,8 +436,9 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     logits_eval = tokens * v_rank * (a + (4 if a != 4 else 0) + 4)
     f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {n_buf_train} B (logits{', fp32 copy' if a != 4 else ''}, "
                    f"log-softmax{', softmax for entropy' if run_cfg.algorithm.entropy_coef > 0 else ''})")
-    fp8 = 2 * lin_rank if e.fp8 else 0
-    if e.fp8:
+    uses_fp8 = e.fp8 and e.name == "megatron"  # only megatron builds TE layers (fsdp refuses fp8)
+    fp8 = 2 * lin_rank if uses_fp8 else 0
+    if uses_fp8:
         f["fp8_workspaces"] = f"{lin_rank:,} Linear weights x 2 B (FP8 rowwise + columnwise)"
 
     # rollout

@@ -1,7 +1,7 @@
 """Entry points behind ``rl mem-report``: each returns a report object, none prints.
 
     report_from_run("ckpt/")                       # what a run recorded in memory.jsonl
-    measure_default(["data.train_batch_size=4"])   # run ONE step (real trainer) and report it
+    engine.trainer.memory_run.measure_default(["data.train_batch_size=4"])   # run ONE step (real trainer) and report it
     estimate_only(["model.path=llama-70b", "trainer.nprocs=8"], device_memory="80GiB")
 
 A report from a run puts the estimate for the run's own config beside what rank 0 measured.
@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from engine.errors import ConfigError, UserError
 from engine.memory.report import RECORDS_FILE, MemoryReport, PhaseRecord, build_report
@@ -267,32 +265,6 @@ def check_one_step(overrides: Optional[list[str]] = None, engine: Optional[str] 
     return load_run_config(overrides + list(ONE_STEP_OVERRIDES), engine=engine).config
 
 
-def measure_default(overrides: Optional[list[str]] = None, engine: Optional[str] = None,
-                    device_memory: Union[None, int, str] = None,
-                    on_event: Callable[[object], None] = lambda e: None) -> MemoryReportWithNotes:
-    """Run ONE RL step of the job (default: the embedded default) through the real trainer in
-    a temporary run directory (nothing saved), then report what it recorded."""
-    from engine.config.load import load_run_config
-
-    overrides = list(overrides or [])
-    dev = device_memory_bytes(device_memory)
-    _check_not_reserved(overrides)
-    tmp = Path(tempfile.mkdtemp(prefix="rl-mem-report-"))
-    try:
-        loaded = load_run_config(overrides + list(ONE_STEP_OVERRIDES) + [f"checkpoint.dir={tmp}"], engine=engine)
-        from engine.trainer.trainer import train
-
-        train(loaded.config, tmp, overrides=loaded.overrides, changed=loaded.changed, on_event=on_event)
-        rep = report_from_run(tmp, dev)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    what = "the default job" if not overrides else " ".join(overrides)
-    rep.source = f"one step of {what}" + (f" (--engine {engine})" if engine else "")
-    rep.run_dir = None
-    rep.notes.insert(0, f"ran 1 step in a temporary directory ({', '.join(ONE_STEP_OVERRIDES)}), now deleted")
-    return rep
-
-
 # ---- estimate only ---------------------------------------------------------------------------
 def estimate_only(overrides: Optional[list[str]] = None, engine: Optional[str] = None,
                   device_memory: Union[None, int, str] = None) -> MemoryReportWithNotes:
@@ -311,4 +283,4 @@ def estimate_only(overrides: Optional[list[str]] = None, engine: Optional[str] =
 
 
 __all__ = ["MemoryReportWithNotes", "ONE_STEP_OVERRIDES", "check_one_step", "device_memory_bytes", "estimate_only",
-           "measure_default", "observed_seq_len", "report_from_run"]
+           "observed_seq_len", "report_from_run"]

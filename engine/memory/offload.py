@@ -32,8 +32,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.backends.base import OffloadReport
 from engine.memory.fp8_workspaces import clear_fp8_workspaces, iter_modules, storage_key, tensors_in
+
+
+@dataclass
+class OffloadReport:
+    """What an offload or onload moved, and what it freed."""
+
+    param_bytes: int = 0
+    grad_bytes_released: int = 0
+    optimizer_bytes: int = 0
+    fp8_workspaces_cleared: int = 0
+    fp8_workspace_bytes_freed: int = 0
+    note: str = ""
+
 
 CPU_NOOP_NOTE = "offload is a no-op on CPU: params already live in host memory"
 

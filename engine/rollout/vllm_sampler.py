@@ -274,7 +274,7 @@ class VLLMSampler(Sampler):
         tolerance (VERIFY_TOL)."""
         from vllm import SamplingParams
 
-        from engine.backends.logprobs import token_log_probs
+        from engine.algorithms.logprobs import token_log_probs
 
         self.wake_up()
         probe = batch.select(slice(0, min(VERIFY_ROWS, len(batch))))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import time
 from dataclasses import asdict
@@ -12,25 +11,8 @@ from pathlib import Path
 from engine.checkpoint.layout import (RUN_FORMAT, VERSION, complete_steps, latest_complete, list_steps, prune,
                                       write_json_atomic)
 from engine.config.schema import RunConfig
+from engine.env_info import package_versions
 from engine.errors import UserError
-
-
-def package_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "ray", "transformers", "hydra-core", "megatron-core", "vllm", "transformer-engine",
-                 "rl"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    try:
-        import torch
-        out["cuda"] = torch.version.cuda or "none"
-    except Exception:
-        pass
-    return out
 
 
 class RunDir:
@@ -76,16 +58,6 @@ class RunDir:
 
         if records:
             save_records(records, self.path)
-
-    def truncate_metrics(self, last_step: int) -> None:
-        """On resume: drop metric rows after the checkpoint's step (they will be recomputed)."""
-        if not self.metrics_path.exists():
-            return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= last_step]
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.metrics_path)
 
     def save(self, cfg: RunConfig, workers, step: int, stream) -> Path:
         from engine.checkpoint.save import finalize_checkpoint, prepare_tmp

@@ -30,6 +30,9 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
           on_event: Callable[[object], None] = lambda e: None, resume=None) -> RunSummary:
     """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan)."""
     t_start = time.perf_counter()
+    from engine.device import check_device_config
+
+    check_device_config(cfg)  # CUDA / FP8 hardware, before anything is created
     inputs = prepare_inputs(cfg)  # task, tokenizer, encoded prompts, model path
     rdir = RunDir(run_dir)
     if resume is None:

@@ -80,7 +80,9 @@ def register(app: typer.Typer) -> None:
             err_console.print(f"[dim]running one RL step of {what} in a temporary directory "
                               "(real trainer; about a minute on CPU)...[/]")
             try:
-                rep = call_engine(measure.measure_default, args, engine=engine, device_memory=device_memory)
+                from engine.trainer.memory_run import measure_default
+
+                rep = call_engine(measure_default, args, engine=engine, device_memory=device_memory)
             except KeyboardInterrupt:
                 err_console.print("[red]interrupted[/]: the step's workers and Ray were stopped; nothing was kept.")
                 raise typer.Exit(130)

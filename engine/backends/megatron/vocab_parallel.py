@@ -74,7 +74,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, vocab_s
 def token_log_probs_tp(logits: torch.Tensor, input_ids: torch.Tensor, vocab_start: int, vocab_size: int,
                        group=None, temperature: float = 1.0,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Vocab-parallel twin of ``engine.backends.logprobs.token_log_probs``: logits
+    """Vocab-parallel twin of ``engine.algorithms.logprobs.token_log_probs``: logits
     [B, T, V_local] (position t predicts token t+1) -> [B, T] with 0 at t=0."""
     logits = logits[:, :-1].float()
     if temperature != 1.0:

@@ -1,0 +1,69 @@
+"""The import rules in pyproject.toml ([tool.importlinter], docs/architecture.md) hold, and each
+one really catches the violation it exists for: a copy of the tree with one forbidden import
+added must fail `lint-imports`, naming that contract."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = shutil.which("lint-imports")
+pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e '.[test]')")
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run([LINT, "--no-cache"], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_tree_keeps_every_import_rule():
+    r = _lint(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "BROKEN" not in r.stdout and " KEPT" in r.stdout
+
+
+# (file, forbidden import added to it, contract that must break). The first five are the
+# violations the tree had before the rules existed (issue 20), the rest guard the other rules.
+VIOLATIONS = [
+    ("engine/memory/offload.py", "from engine.backends.base import TrainEngine",
+     "memory does not import the training backends"),
+    ("engine/memory/measure.py", "from engine.trainer.trainer import train",
+     "checkpoint, memory and rollout do not import the trainer"),
+    ("engine/rollout/vllm_sampler.py", "import engine.backends.base",
+     "rollout does not import the training backends"),
+    ("engine/config/validate.py", "import engine.device",
+     "config imports no torch"),
+    ("engine/checkpoint/load.py", "from engine.trainer.run_dir import RunDir",
+     "checkpoint, memory and rollout do not import the trainer"),
+    ("engine/algorithms/advantages.py", "import ray",
+     "algorithms are pure"),
+    ("engine/backends/fsdp.py", "import engine.backends.megatron.engine",
+     "backends do not import each other"),
+    ("engine/errors.py", "import rich",
+     "engine never imports the CLI layer"),
+]
+
+
+@pytest.mark.parametrize("rel,line,contract", VIOLATIONS, ids=[v[0] for v in VIOLATIONS])
+def test_each_rule_catches_its_violation(tmp_path, rel, line, contract):
+    for pkg in ("engine", "rlcli"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / rel
+    if not target.exists():
+        pytest.fail(f"{rel} no longer exists: update VIOLATIONS to the module that replaced it")
+    target.write_text(target.read_text() + f"\n{line}  # added by {Path(__file__).name}\n")
+    r = _lint(tmp_path)
+    assert r.returncode != 0, f"adding `{line}` to {rel} broke no contract:\n{r.stdout}"
+    broken = [ln for ln in r.stdout.splitlines() if ln.endswith("BROKEN")]
+    assert any(ln.startswith(contract) for ln in broken), (contract, broken)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
