@@ -42,3 +42,148 @@ def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
     assert kl_penalty(lp, ref, "k1").item() == 1.0
     assert abs(kl_penalty(lp, ref, "k3").item() - (math.exp(-1) + 1 - 1)) < 1e-6
+
+
+# ---- estimators (engine/algorithms/estimators.py) ---------------------------------------
+
+from engine.algorithms.dynamic_sampling import Rollout, dynamic_sample  # noqa: E402
+from engine.algorithms.estimators import (  # noqa: E402
+    compute_advantages, discounted_returns, gae, outcome_token_rewards, overlong_penalty,
+    reinforce_pp_advantages, rloo_advantages, whiten, zero_variance_groups)
+from engine.batch import SequenceBatch  # noqa: E402
+from engine.config.schema import AlgorithmConfig  # noqa: E402
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
+    a = rloo_advantages(r, group_size=4)
+    # sample 0: 1 - (0+0+1)/3 = 2/3; sample 1: 0 - (1+0+1)/3 = -2/3; equal group -> 0
+    assert torch.allclose(a, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]), atol=1e-6)
+    assert torch.equal(rloo_advantages(torch.tensor([5.0, 1.0]), 1), torch.zeros(2))
+
+
+# two rows: prompt of 2 tokens then a response of 3 (row 0) / 2 (row 1) tokens, T = 5
+MASK = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.float32)
+
+
+def test_outcome_reward_sits_on_the_last_response_token():
+    tok = outcome_token_rewards(torch.tensor([1.0, 2.0]), MASK)
+    assert tok.tolist() == [[0, 0, 0, 0, 1.0], [0, 0, 0, 2.0, 0]]
+
+
+def test_discounted_returns_by_hand():
+    tok = torch.tensor([[0, 0, 1.0, 0, 2.0], [0, 0, 0, 4.0, 0]])
+    g = discounted_returns(tok, MASK, gamma=0.5)
+    # row 0: G4 = 2, G3 = 0 + .5*2 = 1, G2 = 1 + .5*1 = 1.5; row 1: G3 = 4, G2 = 2
+    assert torch.allclose(g, torch.tensor([[0, 0, 1.5, 1.0, 2.0], [0, 0, 2.0, 4.0, 0]]))
+
+
+def test_whiten_over_masked_tokens_only():
+    x = torch.tensor([[9.0, 9.0, 1.0, 2.0, 3.0], [9.0, 9.0, 4.0, 5.0, 9.0]])
+    w = whiten(x, MASK)
+    vals = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # mean 3, unbiased std sqrt(2.5)
+    exp = (vals - 3) / math.sqrt(2.5)
+    assert torch.allclose(w[MASK > 0], exp, atol=1e-5)
+    assert (w[MASK == 0] == 0).all()
+
+
+def test_reinforce_pp_kl_enters_the_reward_then_batch_normalised():
+    rewards = torch.tensor([1.0, 0.0])
+    kl = torch.tensor([[0, 0, 1.0, 1.0, 1.0], [0, 0, 2.0, 2.0, 0]])
+    a = reinforce_pp_advantages(rewards, MASK, kl, kl_coef=0.1, gamma=1.0)
+    # token rewards: row 0 [-.1, -.1, .9], row 1 [-.2, -.2]; returns (gamma 1):
+    # row 0 [.7, .8, .9], row 1 [-.4, -.2]; then whitened over these 5 tokens
+    g = torch.tensor([0.7, 0.8, 0.9, -0.4, -0.2])
+    exp = (g - g.mean()) / g.std()
+    assert torch.allclose(a[MASK > 0], exp, atol=1e-5)
+    # no KL: global normalisation still spreads the two outcomes apart (no per-prompt baseline)
+    b = reinforce_pp_advantages(rewards, MASK)
+    assert (b[0, 2:] > 0).all() and (b[1, 2:4] < 0).all()
+
+
+def test_gae_by_hand():
+    tok = torch.tensor([[0, 0, 0, 0, 1.0], [0, 0, 0, 1.0, 0]])
+    values = torch.tensor([[7.0, 7.0, 0.5, 0.5, 0.5], [7.0, 7.0, 0.2, 0.4, 7.0]])
+    adv, ret = gae(tok, values, MASK, gamma=1.0, lam=0.5)
+    # row 0: d4 = 1 - .5 = .5; d3 = 0 + .5 - .5 = 0; d2 = 0
+    #   A4 = .5, A3 = 0 + .5*.5 = .25, A2 = 0 + .5*.25 = .125
+    # row 1: d3 = 1 - .4 = .6, d2 = .4 - .2 = .2; A3 = .6, A2 = .2 + .5*.6 = .5
+    assert torch.allclose(adv, torch.tensor([[0, 0, .125, .25, .5], [0, 0, .5, .6, 0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0, 0, .625, .75, 1.0], [0, 0, .7, 1.0, 0]]), atol=1e-6)
+    # lam = 1, gamma = 1: advantage = final reward - V_t (Monte-Carlo)
+    adv1, _ = gae(tok, values, MASK, 1.0, 1.0)
+    assert torch.allclose(adv1[0, 2:], torch.tensor([0.5, 0.5, 0.5]))
+
+
+def test_overlong_penalty_soft_window():
+    lengths = torch.tensor([4, 8, 9, 10, 12, 13])
+    p = overlong_penalty(lengths, max_len=12, buffer_len=4, factor=1.0)
+    # free up to 12 - 4 = 8, then a linear ramp to -1 at 12, and -1 beyond
+    assert torch.allclose(p, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    assert torch.equal(overlong_penalty(lengths, 12, 0), torch.zeros(6))
+
+
+def test_zero_variance_groups():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    assert zero_variance_groups(r, 2).tolist() == [True, False, True]
+
+
+def test_compute_advantages_dispatches_each_preset():
+    rewards = torch.tensor([1.0, 0.0])
+    rloo = compute_advantages(AlgorithmConfig(name="rloo"), rewards, MASK, group_size=2)
+    assert torch.allclose(rloo.advantages, torch.tensor([[0, 0, 1.0, 1, 1], [0, 0, -1, -1, 0]]))
+    dr = compute_advantages(AlgorithmConfig(name="dr_grpo"), rewards, MASK, group_size=2)
+    assert torch.allclose(dr.advantages, torch.tensor([[0, 0, .5, .5, .5], [0, 0, -.5, -.5, 0]]))
+    values = torch.zeros(2, 5)
+    ppo = compute_advantages(AlgorithmConfig(name="ppo", lam=1.0, whiten_advantages=False), rewards, MASK, 2,
+                             values=values)
+    assert torch.allclose(ppo.advantages, torch.tensor([[0, 0, 1.0, 1, 1], [0, 0, 0, 0, 0]]))
+    assert torch.equal(ppo.returns, ppo.advantages)  # V = 0
+    # KL goes into the reward only when use_kl_loss is false
+    kl = torch.ones(2, 5)
+    cfg = AlgorithmConfig(name="rloo", kl_coef=0.5, use_kl_loss=False)
+    with_kl = compute_advantages(cfg, rewards, MASK, 2, kl=kl)
+    assert torch.allclose(with_kl.advantages, rloo.advantages - 0.5 * MASK)
+    as_loss = compute_advantages(AlgorithmConfig(name="rloo", kl_coef=0.5), rewards, MASK, 2, kl=kl)
+    assert torch.equal(as_loss.advantages, rloo.advantages)
+
+
+# ---- DAPO dynamic sampling --------------------------------------------------------------
+
+def _fake_rollout(rewards: list[float], n: int) -> Rollout:
+    """Rows of real SequenceBatch tensors; row i's first token id is i (to trace the rows)."""
+    b = len(rewards)
+    ids = torch.stack([torch.tensor([i, 1, 2]) for i in range(b)])
+    batch = SequenceBatch(ids, torch.ones(b, 3, dtype=torch.long),
+                          torch.tensor([[0, 1.0, 1.0]] * b), torch.ones(b, dtype=torch.long))
+    return Rollout(batch, torch.tensor(rewards), [r > 0.5 for r in rewards], examples=list(range(b // n)))
+
+
+def test_dynamic_sampling_drops_flat_groups_and_keeps_the_batch_size():
+    n, target = 2, 3
+    draws = iter([[1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 0, 1]])  # groups: flat, mixed, flat | mixed, flat, mixed
+    asked = []
+
+    def draw(k):
+        asked.append(k)
+        return _fake_rollout([float(x) for x in next(draws)][:k * n], n)
+
+    out, stats = dynamic_sample(draw, target, n, max_rounds=4)
+    assert len(out.rewards) == target * n and len(out.batch) == target * n
+    assert out.rewards.tolist() == [0, 1, 1, 0, 0, 1]  # draw-1 group 1, then draw-2 groups 0 and 2
+    assert zero_variance_groups(out.rewards, n).sum() == 0
+    assert stats.rounds == 2 and stats.padded_groups == 0
+    assert asked == [3, 3]  # 1 of 3 kept: 2 more needed at a keep rate of 1/3 -> 6, capped at the target
+    assert out.correct == [False, True, True, False, False, True]
+
+
+def test_dynamic_sampling_tops_up_when_out_of_rounds():
+    n, target = 2, 4
+
+    def draw(k):  # every group flat except the very first
+        return _fake_rollout([1.0, 0.0] + [1.0] * (2 * k - 2), n)
+
+    out, stats = dynamic_sample(draw, target, n, max_rounds=2)
+    assert len(out.batch) == target * n  # constant batch size even when signal is scarce
+    assert stats.rounds == 3 and stats.padded_groups == 3 - 2  # 3 rounds, each one good group -> 3 kept, 1 pad
+    assert zero_variance_groups(out.rewards, n).tolist() == [False, False, False, True]

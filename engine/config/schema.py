@@ -82,7 +82,8 @@ class OptimConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = _f("grpo", "advantage estimator", choices=["grpo", "dr_grpo"])
+    name: str = _f("grpo", "advantage estimator (docs/algorithms.md)",
+                   choices=["grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo"])
     rollout_n: int = _f(8, "samples per prompt (the GRPO group size)", min=1)
     norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)")
     clip_ratio_low: float = _f(0.2, "PPO clip: lower bound is 1 - this", min=0.0)
@@ -95,6 +96,17 @@ class AlgorithmConfig:
     entropy_coef: float = _f(0.0, "entropy bonus weight", min=0.0)
     ppo_epochs: int = _f(1, "passes over each rollout batch", min=1)
     ppo_mini_batch_size: int = _f(0, "prompts per optimizer step; 0 = the whole batch (one step per RL step)", min=0)
+    gamma: float = _f(1.0, "reinforce_pp/ppo: discount of future token rewards", min=0.0, max=1.0)
+    lam: float = _f(0.95, "ppo: GAE lambda (bias/variance trade-off of the advantage)", min=0.0, max=1.0)
+    whiten_advantages: bool = _f(True, "ppo: normalise GAE advantages over the batch's tokens (mean 0, std 1)")
+    dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and refill from further "
+                                       "prompts, keeping data.train_batch_size groups (DAPO)")
+    dynamic_sampling_max_rounds: int = _f(4, "dynamic sampling: extra rollouts per step before topping the "
+                                             "batch up with zero-variance groups", min=1)
+    overlong_buffer_len: int = _f(0, "DAPO soft overlong penalty: the last N tokens before rollout.max_new_tokens "
+                                     "ramp the reward down by up to overlong_penalty_factor; 0 = off", min=0)
+    overlong_penalty_factor: float = _f(1.0, "the largest overlong penalty (reached at rollout.max_new_tokens)",
+                                        min=0.0)
 
 
 @dataclass

@@ -51,6 +51,7 @@ class StepRecord:
     val_reward: float | None = None
     checkpoint: str | None = None
     memory: list = field(default_factory=list)      # per-rank, per-phase memory records
+    algo: dict = field(default_factory=dict)        # estimator extras (dynamic sampling, overlong penalty, ...)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from engine.algorithms.advantages import grpo_advantages, token_advantages
+from engine.algorithms.dynamic_sampling import Rollout
+from engine.algorithms.estimators import compute_advantages
 from engine.batch import SequenceBatch
 from engine.checkpoint.layout import step_dir_name
 from engine.config.schema import RunConfig
@@ -95,45 +96,44 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     timing = {}
     t0 = time.perf_counter()
 
-    # 1. rollout: n samples per prompt, prompt-major
+    # 1-2. rollout (n samples per prompt, prompt-major) and reward; DAPO's dynamic sampling
+    # rolls out further prompts until the batch holds train_batch_size informative groups
     workers.onload(step)
-    idx = stream.next_indices(cfg.data.train_batch_size)
-    examples = [inputs.task.train[i] for i in idx]
-    prompts = [inputs.train_prompts[i] for i in idx]
     n = cfg.algorithm.rollout_n
-    batch, gen_stats = workers.generate(prompts, n)
-    timing["rollout"] = time.perf_counter() - t0
+    gen_stats: list = []
+    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats)  # noqa: E731
+    sampling = None
+    if cfg.algorithm.dynamic_sampling:
+        from engine.algorithms.dynamic_sampling import dynamic_sample
 
-    # 2. reward (rule-based, on the driver)
+        ro, sampling = dynamic_sample(draw, cfg.data.train_batch_size, n, cfg.algorithm.dynamic_sampling_max_rounds,
+                                      inputs.vocab["pad"])
+    else:
+        ro = draw(cfg.data.train_batch_size)
+    batch, rewards = ro.batch, ro.rewards
+    correct = sum(ro.correct) / len(ro.correct) if ro.correct is not None else None
+
+    # 3. reference log-probs (KL), then advantages (the estimator algorithm.name names)
     t = time.perf_counter()
-    responses = decode_responses(inputs.tokenizer, batch)
-    rewards = torch.tensor([inputs.task.reward(examples[i // n].prompt, r, examples[i // n].answer)
-                            for i, r in enumerate(responses)], dtype=torch.float32)
-    correct = None
-    if inputs.task.correct is not None:
-        correct = sum(bool(inputs.task.correct(examples[i // n].prompt, r, examples[i // n].answer))
-                      for i, r in enumerate(responses)) / len(responses)
-    timing["reward"] = time.perf_counter() - t
-
-    # 3. advantages (GRPO: normalised within each prompt's group)
-    seq_adv = grpo_advantages(rewards, n, cfg.algorithm.norm_adv_by_std and cfg.algorithm.name == "grpo")
-    batch.advantages = token_advantages(seq_adv, batch.response_mask)
-
-    # 4. reference and old log-probs
-    t = time.perf_counter()
-    kl_reward = None
+    kl_tok = None
     if cfg.algorithm.kl_coef > 0:
+        from engine.algorithms.policy_loss import kl_penalty
+
         batch.ref_log_probs = workers.log_probs(batch, ref=True)
-        if not cfg.algorithm.use_kl_loss:  # KL as a reward penalty, folded into the advantages
-            from engine.algorithms.policy_loss import kl_penalty
-            kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
-            kl_reward = float(kl_tok.sum() / batch.response_mask.sum().clamp(min=1))
-            batch.advantages = batch.advantages - cfg.algorithm.kl_coef * kl_tok
+        kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
+    timing["log_probs"] = time.perf_counter() - t
+    est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok,
+                             max_len=cfg.rollout.max_new_tokens)
+    batch.advantages = est.advantages
+    kl_reward = est.metrics.get("kl_reward") if kl_tok is not None and not cfg.algorithm.use_kl_loss else None
+
+    # 4. old log-probs
+    t = time.perf_counter()
     mini = cfg.algorithm.ppo_mini_batch_size or cfg.data.train_batch_size
     n_updates = cfg.algorithm.ppo_epochs * (cfg.data.train_batch_size // mini)
     if n_updates > 1:  # with one update per step, old == current policy exactly
         batch.old_log_probs = workers.log_probs(batch, ref=False)
-    timing["log_probs"] = time.perf_counter() - t
+    timing["log_probs"] += time.perf_counter() - t
 
     # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each
     t = time.perf_counter()
@@ -164,6 +164,9 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     if kl_reward is not None:
         per_update["kl"] = kl_reward
     resp_tokens = float(batch.response_mask.sum())
+    algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
+    if sampling is not None:
+        algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
     return StepRecord(
         step=step, reward_mean=float(rewards.mean()), accuracy=correct, kl=per_update.get("kl"),
         pg_loss=per_update.get("pg_loss", 0.0), entropy=per_update.get("entropy"),
@@ -174,7 +177,32 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
         pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
         micro_batch_shapes=[list(s) for s in sorted(shapes)],
-        timing=timing, memory=memory)
+        timing=timing, memory=memory, algo=algo)
+
+
+def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,
+                       timing: dict, gen_stats: list) -> Rollout:
+    """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
+    rule on the driver; adds to ``timing`` (rollout, reward) and ``gen_stats`` (per rank)."""
+    t = time.perf_counter()
+    idx = stream.next_indices(k)
+    examples = [inputs.task.train[i] for i in idx]
+    prompts = [inputs.train_prompts[i] for i in idx]
+    n = cfg.algorithm.rollout_n
+    batch, stats = workers.generate(prompts, n)
+    gen_stats += stats
+    timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t
+
+    t = time.perf_counter()
+    responses = decode_responses(inputs.tokenizer, batch)
+    rewards = torch.tensor([inputs.task.reward(examples[i // n].prompt, r, examples[i // n].answer)
+                            for i, r in enumerate(responses)], dtype=torch.float32)
+    correct = None
+    if inputs.task.correct is not None:
+        correct = [bool(inputs.task.correct(examples[i // n].prompt, r, examples[i // n].answer))
+                   for i, r in enumerate(responses)]
+    timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
+    return Rollout(batch, rewards, correct, examples)
 
 
 def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validation:

@@ -1,0 +1,168 @@
+"""Advantage estimators, each a small pure function on plain tensors, and the one
+dispatcher the trainer calls (``compute_advantages``).
+
+Shapes: ``rewards`` [B] one scalar per response, ordered prompt-major (B = prompts x n);
+``mask`` [B, T] 1 on response tokens; token tensors are [B, T] in the batch's layout
+(prompt then response, right-padded). Papers: docs/algorithms.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.algorithms.advantages import grpo_advantages, token_advantages
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): baseline = mean of the *other* n-1 samples of the prompt.
+
+    A_i = r_i - (sum_j r_j - r_i) / (n - 1)  =  n/(n-1) * (r_i - mean(group)).
+    A group of one sample has advantage 0 (no other sample to compare with).
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    r = rewards.float().view(-1, group_size)
+    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - others).reshape(-1)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, T]: each response's scalar reward on its last response token, 0 elsewhere."""
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    has = mask.sum(-1) > 0
+    last = (mask * torch.arange(mask.shape[1], dtype=torch.float32)).argmax(-1)
+    rows = torch.arange(mask.shape[0])[has]
+    out[rows, last[has]] = rewards.float()[has]
+    return out
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s-t) r_s over each row's response tokens (0 off the mask)."""
+    out = torch.zeros_like(token_rewards, dtype=torch.float32)
+    running = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running * (mask[:, t + 1] if t + 1 < mask.shape[1] else 0.0)
+        out[:, t] = running * mask[:, t]
+    return out
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries of the whole batch (std: unbiased), 0 off the mask."""
+    m = mask.float()
+    n = m.sum()
+    mean = (values * m).sum() / n.clamp(min=1)
+    var = (((values - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (values - mean) if shift_mean else values
+    return out * torch.rsqrt(var + eps) * m
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                            kl_coef: float = 0.0, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): token rewards = outcome reward on the last token minus
+    kl_coef * KL_t on every token; advantages = discounted returns, normalised over the
+    *whole batch's* tokens (no per-prompt baseline, no critic)."""
+    tok = outcome_token_rewards(rewards, mask)
+    if kl is not None and kl_coef:
+        tok = tok - kl_coef * kl * mask
+    return whiten(discounted_returns(tok, mask, gamma), mask)
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens.
+
+    delta_t = r_t + gamma V_{t+1} - V_t  (V past the last response token = 0)
+    A_t     = delta_t + gamma lam A_{t+1};   returns_t = A_t + V_t.
+    Returns (advantages, returns), both 0 off the mask.
+    """
+    B, T = mask.shape
+    m = mask.float()
+    v = values.float() * m
+    adv = torch.zeros(B, T)
+    last = torch.zeros(B)
+    for t in reversed(range(T)):
+        m_next = m[:, t + 1] if t + 1 < T else torch.zeros(B)
+        delta = token_rewards[:, t] + gamma * v[:, t + 1 if t + 1 < T else t] * m_next - v[:, t]
+        last = delta + gamma * lam * m_next * last
+        adv[:, t] = last * m[:, t]
+    return adv, (adv + v) * m
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 up to max_len - buffer_len, then a linear ramp to
+    -factor at max_len (and -factor beyond). [B] lengths -> [B] penalties (<= 0)."""
+    if buffer_len <= 0:
+        return torch.zeros(response_lengths.shape[0])
+    start = max_len - buffer_len
+    over = (response_lengths.float() - start).clamp(min=0)
+    return -factor * (over / buffer_len).clamp(max=1.0)
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) -> torch.Tensor:
+    """[B] -> [prompts] bool: True for groups whose rewards are all equal (no learning signal)."""
+    r = rewards.float().view(-1, group_size)
+    return (r.max(dim=1).values - r.min(dim=1).values) <= eps
+
+
+@dataclass
+class Advantages:
+    """What the advantage step hands the update: token advantages, and for PPO the value
+    targets the critic regresses on."""
+
+    advantages: torch.Tensor                 # [B, T]
+    returns: torch.Tensor | None = None      # [B, T] (PPO)
+    metrics: dict = field(default_factory=dict)
+
+
+def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_size: int,
+                       kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                       max_len: int = 0) -> Advantages:
+    """The advantage step for ``cfg.name`` (an AlgorithmConfig).
+
+    With ``cfg.overlong_buffer_len`` the rewards first get DAPO's soft overlong penalty
+    (responses near ``max_len`` = rollout.max_new_tokens tokens), whatever the estimator.
+
+    ``kl`` [B, T]: per-token KL(policy || reference) on the sampled tokens, when a reference
+    exists; it enters the *reward* (REINFORCE++, PPO, and any estimator with
+    use_kl_loss=false), never both reward and loss. ``values`` [B, T]: the critic's (PPO).
+    """
+    name = cfg.name
+    kl_in_reward = kl is not None and cfg.kl_coef > 0 and not cfg.use_kl_loss
+    metrics: dict = {}
+    if cfg.overlong_buffer_len:
+        pen = overlong_penalty(mask.sum(-1), max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        rewards = rewards.float() + pen
+        metrics["overlong_penalty"] = float(pen.mean())
+    if kl is not None:
+        metrics["kl_reward"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    if name == "reinforce_pp":
+        adv = reinforce_pp_advantages(rewards, mask, kl if kl_in_reward else None, cfg.kl_coef, cfg.gamma)
+        return Advantages(adv, metrics=metrics)
+    if name == "ppo":
+        if values is None:
+            raise ValueError("algorithm.name=ppo needs the critic's values")
+        tok = outcome_token_rewards(rewards, mask)
+        if kl_in_reward:
+            tok = tok - cfg.kl_coef * kl * mask
+        adv, ret = gae(tok, values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = whiten(adv, mask)
+        metrics["value_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
+        return Advantages(adv, ret, metrics)
+    if name == "rloo":
+        seq = rloo_advantages(rewards, group_size)
+    elif name in ("grpo", "dapo"):
+        seq = grpo_advantages(rewards, group_size, cfg.norm_adv_by_std)
+    elif name == "dr_grpo":
+        seq = grpo_advantages(rewards, group_size, False)
+    else:
+        raise ValueError(f"unknown algorithm.name {name!r}")
+    adv = token_advantages(seq, mask)
+    if kl_in_reward:  # KL as a per-token penalty on top of the sequence advantage
+        adv = adv - cfg.kl_coef * kl * mask
+    return Advantages(adv, metrics=metrics)
