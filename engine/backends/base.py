@@ -1,7 +1,7 @@
 """The training-engine interface that every backend (FSDP2, Megatron) implements.
 
 One engine lives in each rank's worker process, after torch.distributed is initialised.
-The trainer only ever talks to this interface, so rollout, GRPO, checkpoints, resume,
+The trainer only ever talks to this interface (engine/interfaces.py TrainingEngine), so rollout, GRPO, checkpoints, resume,
 offload and memory reports work unchanged on every backend.
 
 Life cycle, per RL step (see engine/trainer/worker.py):
@@ -34,9 +34,10 @@ LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
 @dataclass
 class StepStats:
-    """What one optimizer step reports back to the trainer."""
+    """What one optimizer step reports back to the trainer (world-size rules: engine/interfaces.py)."""
 
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)      # partial sums of global aggregates (added over DP groups)
+    replicated: dict = field(default_factory=dict)   # identical on every rank (grad_norm, lr)
     tokens: int = 0            # real (unpadded) tokens processed in forward+backward
     padded_tokens: int = 0     # tokens including bucket padding
     shapes: set = field(default_factory=set)
@@ -60,6 +61,8 @@ class TrainEngine(ABC):
     heavy work. ``updates_per_step`` (optimizer steps per RL step) sizes the LR schedule.
     """
 
+    optimizer = None   # set by build() (megatron: a property over its optimizer wrapper)
+
     def __init__(self, cfg, model_path: str, vocab_size: int, pad_token_id: int, eos_token_id: int,
                  device: torch.device, updates_per_step: int):
         import torch.distributed as dist
@@ -72,6 +75,7 @@ class TrainEngine(ABC):
         self.device = torch.device(device)    # the device this rank computes on
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_rank, self.dp_size = self.rank, self.world_size  # megatron: its data-parallel group
         self.total_updates = cfg.trainer.total_steps * updates_per_step
         self.model = None                     # the trained policy (backend-wrapped)
         self.ref_model = None                 # frozen reference, when algorithm.kl_coef > 0
@@ -134,3 +138,7 @@ class TrainEngine(ABC):
 
     def param_count(self) -> int:
         return 0
+
+    def param_shapes(self) -> dict[str, dict]:
+        """{checkpoint name: {"shape", "dtype"}} of every parameter (the manifest records it)."""
+        return {}

@@ -176,9 +176,8 @@ class FSDPEngine(TrainEngine):
         self._scheduler.step()
         self._updates += 1
         self.bucket_policy.maybe_refresh(self._updates)
-        sums["grad_norm"] = float(grad_norm) / self.world_size  # summed over ranks by the trainer
-        sums["lr"] = self._scheduler.get_last_lr()[0] / self.world_size
         stats.metrics = sums
+        stats.replicated = {"grad_norm": float(grad_norm), "lr": self._scheduler.get_last_lr()[0]}
         return stats
 
     # ---- rollout ------------------------------------------------------------------------

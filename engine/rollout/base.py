@@ -15,7 +15,13 @@ class Sampler(ABC):
     Returns a SequenceBatch with rows ordered prompt-major (prompt 0's n samples first),
     ``rollout_log_probs[b, t]`` = log p(input_ids[b, t] | <t) under the sampling
     distribution (after temperature; before top-p truncation) on response positions.
+    Implements engine/interfaces.py RolloutSampler; the defaults below suit a sampler that
+    reads the engine's live model (the torch sampler).
     """
+
+    reads_live_model: bool = True
+    last_kv_cache_bytes: int = 0
+    last_sync: dict = {}
 
     @abstractmethod
     def generate(self, model: torch.nn.Module | None, prompts: list[list[int]], n: int,
@@ -26,3 +32,17 @@ class Sampler(ABC):
         """Push new policy weights into the rollout engine; returns seconds spent.
         The torch sampler reads the live model, so this is a no-op there."""
         return 0.0
+
+    def verify_sync(self, engine, batch: SequenceBatch):
+        """Check the rollout engine's log-probs equal the trainer's after a sync (raises on mismatch)."""
+        raise NotImplementedError(f"{type(self).__name__} reads the live model: there is no synced copy to verify")
+
+    def memory(self) -> dict | None:
+        """Memory the rollout engine holds outside the trainer's model (None: nothing of its own)."""
+        return None
+
+    def sleep(self) -> None:
+        """Free the rollout engine's device memory until the next sync (no-op without one)."""
+
+    def shutdown(self) -> None:
+        """Stop the rollout engine's processes (no-op without any)."""

@@ -145,14 +145,13 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     for _epoch in range(cfg.algorithm.ppo_epochs):
         for start in range(0, len(batch), rows_per_mini):
             mb = batch.select(slice(start, start + rows_per_mini))
-            outs = workers.train_step(mb)
-            for o in outs:
-                for k, v in o["metrics"].items():
-                    totals[k] = totals.get(k, 0.0) + v
-                tokens += o["tokens"]
-                padded += o["padded_tokens"]
-                shapes.update(tuple(s) for s in o["shapes"])
-                peak = max(peak, o["rss_peak"])
+            res = workers.train_step(mb)
+            for k, v in res.metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+            tokens += res.tokens
+            padded += res.padded_tokens
+            shapes.update(res.shapes)
+            peak = max(peak, res.rss_peak)
     timing["update"] = time.perf_counter() - t
 
     # 6. offload between steps (as configured) and collect every rank's memory records

@@ -13,6 +13,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
+from engine.interfaces import RolloutSampler, TrainingEngine
 
 
 def rss_peak_bytes() -> int:
@@ -43,7 +44,7 @@ class RankWorker:
             torch.cuda.set_device(self.device)
         dist.init_process_group(dist_backend(self.device), init_method=self.init_method,
                                 rank=self.rank, world_size=self.world_size)
-        self.engine = self._make_engine()
+        self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
         from engine.memory.tracker import MemoryTracker
@@ -52,9 +53,8 @@ class RankWorker:
                                      optimizer=self.engine.optimizer)
         self.engine.tracker = self.tracker
         self.step = 0
-        self.dp_rank, self.dp_size = getattr(self.engine, "dp_rank", self.rank), getattr(self.engine, "dp_size",
-                                                                                        self.world_size)
-        self.sampler = self._make_sampler()
+        self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
+        self.sampler: RolloutSampler = self._make_sampler()
         self._weights_stale = False  # the rollout engine holds older weights than the trainer
         self._sync_probe = None      # fixed sequences for rollout.verify_sync (first rollout's rows)
         self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
@@ -96,7 +96,7 @@ class RankWorker:
         if self._weights_stale:
             self.sync_weights()
         with self.tracker.phase("rollout", self.step) as t:
-            if getattr(self.sampler, "reads_live_model", True):
+            if self.sampler.reads_live_model:
                 with self.engine.generation_model() as model:
                     batch = self.sampler.generate(model, prompts, n, self.generator, greedy=greedy)
             else:  # vLLM holds its own synced copy: no full-weight gather here
@@ -104,12 +104,11 @@ class RankWorker:
                 if self._sync_probe is None:
                     self._sync_probe = batch.select(slice(0, 4))
             t.record_bytes("kv_cache", self.sampler.last_kv_cache_bytes)
-            if hasattr(self.sampler, "memory"):
-                m = self.sampler.memory()
+            m = self.sampler.memory()
+            if m is not None:
                 t.note(f"vllm: kv cache {m['kv_cache_bytes']} B, engine processes rss {m['engine_rss_bytes']} B"
                        + (f", outside torch {m['outside_torch_bytes']} B" if "outside_torch_bytes" in m else ""))
-        if hasattr(self.sampler, "sleep"):
-            self.sampler.sleep()  # GPU: free vLLM's KV cache and weights until the next sync
+        self.sampler.sleep()  # vLLM on GPU: free its KV cache and weights until the next sync
         return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                        "rss_peak": rss_peak_bytes()}
 
@@ -142,8 +141,8 @@ class RankWorker:
         t0 = time.perf_counter()
         with self.tracker.phase("update", self.step):
             stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
-        self._weights_stale = not getattr(self.sampler, "reads_live_model", True)
-        return {"metrics": stats.metrics, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
+        self._weights_stale = not self.sampler.reads_live_model
+        return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
 
     def offload(self) -> dict:
@@ -163,25 +162,25 @@ class RankWorker:
     def checkpoint_facts(self) -> dict:
         """What the manifest records about the model and optimizer (rank 0 asks)."""
         return {"param_state": self.engine.optimizer_coverage(),
-                "params": self.engine.param_shapes() if hasattr(self.engine, "param_shapes") else {},
+                "params": self.engine.param_shapes(),
                 "num_params": self.engine.param_count()}
 
     def load(self, step_dir: str, plan: dict) -> dict:
         from engine.checkpoint.load import load_rank_state
 
         out = load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
-        self._weights_stale = not getattr(self.sampler, "reads_live_model", True)
+        self._weights_stale = not self.sampler.reads_live_model
         return out
 
     def bucket_state(self) -> list:
-        p = getattr(self.engine, "bucket_policy", None)
+        p = self.engine.bucket_policy
         return p.state_dict() if p is not None else []
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        sampler = getattr(self, "sampler", None)
-        if hasattr(sampler, "shutdown"):
+        sampler = getattr(self, "sampler", None)  # None when setup() failed before making it
+        if sampler is not None:
             sampler.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

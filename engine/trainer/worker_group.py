@@ -83,10 +83,14 @@ class WorkerGroup:
             full[s, :lp.shape[1]] = lp
         return full
 
-    def train_step(self, batch: SequenceBatch) -> list[dict]:
+    def train_step(self, batch: SequenceBatch):
+        """One optimizer step on every rank; returns the combined engine.trainer.rank_results.UpdateResult."""
+        from engine.trainer.rank_results import combine_update
+
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        return self._all("train_step", self._dp_args(shards), "the policy update")
+        outs = self._all("train_step", self._dp_args(shards), "the policy update")
+        return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
     def save(self, run_dir: str, step: int) -> dict:
         """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler)."""

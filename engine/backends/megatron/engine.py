@@ -18,9 +18,8 @@ DP ranks, like FSDP; the trainer's ``PolicyLoss(world_size=dp_size)`` undoes tha
 result is the global-mini-batch gradient. Then ``MainGradAdamW`` (CPU) or megatron's optimizer
 (CUDA) clips and steps (see optimizer.py).
 
-Metrics. The trainer sums metrics and token counts over *all* ranks; the TP ranks of a DP
-group report the same thing, so each reports 1/tp of its metric sums and only TP rank 0
-reports token counts.
+Metrics. The TP ranks of a DP group report the same partial sums and token counts; the driver
+adds them over DP groups, one rank each (world-size rules: engine/interfaces.py).
 
 Checkpoints. Keys are Hugging Face names (the FSDP backend's keys): ``model.<hf name>`` is the
 full fp32 main weight, the optimizer state is flattened like
@@ -297,10 +296,9 @@ class MegatronEngine(TrainEngine):
             loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
             loss.backward()
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v) / self.tp_size
-            if self.tp_rank == 0:
-                stats.tokens += int(mb.real_tokens)
-                stats.padded_tokens += int(mb.padded_tokens)
+                sums[k] = sums.get(k, 0.0) + float(v)
+            stats.tokens += int(mb.real_tokens)
+            stats.padded_tokens += int(mb.padded_tokens)
             stats.shapes.add(tuple(mb.shape))
         # DP all-reduce of main_grad (finish_grad_sync) plus, under sequence parallelism, the
         # TP all-reduce of norm weights that each saw only a slice of the sequence
@@ -314,9 +312,8 @@ class MegatronEngine(TrainEngine):
         self._updates = getattr(self, "_updates", 0) + 1
         self.bucket_policy.maybe_refresh(self._updates)
         self._gen_stale = True
-        sums["grad_norm"] = grad_norm / self.world_size  # summed over ranks by the trainer
-        sums["lr"] = self.opt.scheduler.get_last_lr()[0] / self.world_size
         stats.metrics = sums
+        stats.replicated = {"grad_norm": float(grad_norm), "lr": self.opt.scheduler.get_last_lr()[0]}
         return stats
 
     # ---- rollout / export ---------------------------------------------------------------
