@@ -7,6 +7,8 @@
 #                clearing (bench/gpu_check_megatron.sh)
 #   3. vllm:     sleep/wake around an update, KV-cache and non-torch memory
 #                (bench/gpu_check_vllm.sh)
+#   4. pytest:   the `gpu`-marked tests in tests/test_gpu.py other than the three scripts above
+#                (which that file also wraps, for `pytest -m gpu`)
 # Each part prints its own figures; exit codes per part: 0 passed, 2 skipped (a dependency is
 # missing, printed as MISSING), 1 failed. This script exits 1 if any part failed.
 set -uo pipefail
@@ -25,4 +27,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 run memory 170 bench/gpu_check_memory.sh
 run megatron 200 bench/gpu_check_megatron.sh
 run vllm 180 bench/gpu_check_vllm.sh
+echo "=================== pytest -m gpu (limit 120 s) ==================="
+timeout 120 python3 -m pytest -q -m gpu -rs tests/test_gpu.py -k "not gpu_check_script" || status=1
 exit $status

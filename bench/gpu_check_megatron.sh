@@ -179,7 +179,7 @@ check(eng.use_te == (have_te and dev.type == "cuda"), "TE spec used exactly when
 b0 = make_batch(0)
 lp, ent = eng.compute_log_probs(b0, with_entropy=True)
 with eng.generation_model() as hf, torch.no_grad():
-    from engine.backends.logprobs import token_log_probs
+    from engine.algorithms.logprobs import token_log_probs
     logits = hf(input_ids=b0.input_ids.to(dev), attention_mask=b0.attention_mask.to(dev), use_cache=False).logits
     ref_lp, _ = token_log_probs(logits, b0.input_ids.to(dev), 1.0)
 err = float(((lp - ref_lp.float().cpu()) * b0.attention_mask).abs().max())

@@ -74,7 +74,7 @@ def main():
     print(f"  device: {torch.cuda.get_device_name(dev)}, "
           f"{torch.cuda.get_device_properties(dev).total_memory / GiB:.1f} GiB")
 
-    from engine.backends.logprobs import token_log_probs
+    from engine.algorithms.logprobs import token_log_probs
     from engine.config.load import load_run_config
     from engine.model.build import build_hf_model, tiny_hf_config
     from engine.rollout.vllm_sampler import VLLMSampler

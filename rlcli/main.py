@@ -23,14 +23,8 @@ app = typer.Typer(
 # Each module in rlcli/commands defines register(app). Order is the order in --help.
 COMMAND_MODULES = ("train", "resume", "inspect_ckpt", "mem_report", "env")
 
-for _name in COMMAND_MODULES:
-    try:
-        _mod = importlib.import_module(f"rlcli.commands.{_name}")
-    except ModuleNotFoundError as _e:  # a command not built yet
-        if _e.name != f"rlcli.commands.{_name}":
-            raise
-        continue
-    _mod.register(app)
+for _name in COMMAND_MODULES:  # a missing or broken command module fails loudly, never silently
+    importlib.import_module(f"rlcli.commands.{_name}").register(app)
 
 
 def main() -> None:

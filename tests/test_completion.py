@@ -530,10 +530,9 @@ def test_tab_completes_subcommands_and_options(shell):
 
 def test_tab_completes_checkpoint_paths(shell, rl_bin, shell_env):
     """`rl resume <TAB>` offers the run root, then its step dirs (not run.json, not the save in
-    progress). Skips until `rl resume` exists."""
+    progress)."""
     listed = _run_rl(rl_bin, {**shell_env, **_bash_protocol("rl ")}).stdout.split()
-    if "resume" not in listed:
-        pytest.skip("`rl resume` is not registered yet (rlcli/commands/resume.py)")
+    assert "resume" in listed, listed
     offered = _run_rl(rl_bin, {**shell_env, **_bash_protocol("rl resume ")}, cwd=shell.cwd).stdout
     if "ckpt/" not in offered.split():
         pytest.fail("`rl resume PATH` does not complete checkpoints: in rlcli/commands/resume.py give the path "

@@ -491,8 +491,6 @@ def test_reads_what_rl_train_writes(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    if not (root / "rlcli" / "commands" / "train.py").exists():
-        pytest.skip("rl train is not built yet")
     ckpt = tmp_path / "ckpt"
     proc = subprocess.run(
         [sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=2",

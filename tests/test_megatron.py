@@ -497,8 +497,9 @@ def test_grpo_step_equals_fsdp_step(sessions):
     assert r["grpo_step_err"] < STEP_TOL
 
 
-def test_param_offload_clears_fp8_workspaces(sessions):
-    """engine.offload() with param_offload clears Transformer-Engine FP8 weight workspaces in
+def test_param_offload_clears_te_imitating_fp8_workspaces(sessions):
+    """engine.offload() with param_offload clears Transformer-Engine FP8 weight workspaces (here
+    a dict injected the way TE keeps them; real TE runs in tests/test_gpu.py) in
     the megatron model (counted in the report); offload + onload leaves the weights unchanged."""
     r = sessions["tp2"]
     count, nbytes, left = r["offload_fp8_cleared"]

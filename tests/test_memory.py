@@ -102,7 +102,8 @@ class QuantizedWeight:
 
 
 class FP8WorkspaceLinear(torch.nn.Linear):
-    """Builds ``_fp8_workspaces["weight"]`` lazily on forward (as TE's Linear does) and computes
+    """Imitates Transformer Engine (not installable without CUDA; the real thing runs in
+    tests/test_gpu.py): builds ``_fp8_workspaces["weight"]`` lazily on forward (as TE's Linear does) and computes
     with the quantised weight (straight-through gradient to the real weight)."""
 
     def __init__(self, *a, **k):
@@ -285,7 +286,7 @@ def test_offload_round_trip_is_bit_exact_and_reports_what_moved():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_offload_is_a_noop_with_a_note_on_cpu_but_still_clears_fp8_workspaces():
+def test_offload_is_a_noop_with_a_note_on_cpu_but_still_clears_te_imitating_fp8_workspaces():
     """On a CPU-only run nothing moves and the report says why, but FP8 workspaces are still
     cleared and counted."""
     net = FP8Net()
@@ -303,7 +304,7 @@ def test_offload_is_a_noop_with_a_note_on_cpu_but_still_clears_fp8_workspaces():
 
 
 # ---- FP8 workspaces through wrappers ------------------------------------------------------
-def test_fp8_workspaces_cleared_through_fsdp2_and_ddp_and_rebuilt(gloo_world_of_one):
+def test_te_imitating_fp8_workspaces_cleared_through_fsdp2_and_ddp_and_rebuilt(gloo_world_of_one):
     """Inside an FSDP2 (fully_shard) model the TE-contract workspaces (weight, weight0..N) are
     found, counted (entries, bytes) and cleared by parameter offload; the next forward
     rebuilds them and gives the same output. Same through DDP and a list of model chunks."""
@@ -410,7 +411,7 @@ def _megatron_fp8_child(port: int, out: "mp.Queue") -> None:
         out.put({"error": f"{e!r}\n{traceback.format_exc()}"})
 
 
-def test_fp8_workspaces_cleared_in_a_megatron_core_model():
+def test_te_imitating_fp8_workspaces_cleared_in_a_megatron_core_model():
     """A megatron-core GPTModel whose qkv and fc1 linears follow TE's workspace contract,
     wrapped in megatron DDP and passed as a list of chunks: offload clears all 4 workspaces
     with exact bytes in the report, frees the bucketed fp32 main-grad buffer, and the next
