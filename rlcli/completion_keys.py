@@ -37,8 +37,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-GROUP_DEFAULTS_FALLBACK = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo",
-                           "rollout": "torch"}
 TREE_FORMAT = 2
 CACHE_ENV = "RL_COMPLETION_CACHE"
 KEEP_TREES = 8  # cached trees kept in the cache directory (one per version of the sources)
@@ -190,7 +188,7 @@ def build_key_tree() -> dict:
     import yaml
 
     from engine.config.removed_keys import REMOVED_KEYS
-    from engine.config.schema import CONFIG_GROUPS, ENGINE_CONFIGS, section_types
+    from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, ENGINE_CONFIGS, section_types
 
     removed = set(REMOVED_KEYS)
 
@@ -226,7 +224,7 @@ def build_key_tree() -> dict:
 
     cfg = _config_dir()
     main = yaml.compose((cfg / "rl.yaml").read_text())
-    group_defaults = dict(GROUP_DEFAULTS_FALLBACK)
+    group_defaults = dict(CONFIG_GROUP_DEFAULTS)
     for key_node, value_node in (main.value if main is not None else []):
         if key_node.value == "defaults":
             for item in value_node.value:

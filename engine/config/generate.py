@@ -11,7 +11,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from engine.config.schema import CONFIG_GROUPS, ENGINE_CONFIGS, section_types
+from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, ENGINE_CONFIGS, section_types
 
 HEADER = "# GENERATED from engine/config/schema.py by `python -m engine.config.generate`. Do not edit.\n"
 
@@ -43,8 +43,7 @@ def _section_yaml(cls, indent: str) -> list[str]:
 
 def render_main() -> str:
     lines = [HEADER, "defaults:", "  - _self_"]
-    defaults = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}
-    lines += [f"  - {g}: {defaults[g]}" for g in CONFIG_GROUPS]
+    lines += [f"  - {g}: {opt}" for g, opt in CONFIG_GROUP_DEFAULTS.items()]
     lines.append("")
     for section, cls in section_types().items():
         if section == "engine":

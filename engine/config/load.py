@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.config.schema import CONFIG_GROUPS, RunConfig
+from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, RunConfig
 from engine.config.validate import build_run_config, check_key, suggest
 from engine.errors import ConfigError
 
@@ -116,7 +116,7 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
 
 
 def _chosen(overrides: list[str], group: str) -> str:
-    default = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}[group]
+    default = CONFIG_GROUP_DEFAULTS[group]
     for o in overrides:
         if o.startswith(f"{group}="):
             default = o.split("=", 1)[1]

@@ -178,8 +178,10 @@ class RunConfig:
 
 ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": MegatronEngineConfig}
 
-# Config groups: the YAML files under configs/<group>/ pick one option each.
-CONFIG_GROUPS = ("engine", "task", "model", "algorithm", "rollout")
+# Config groups: the YAML files under configs/<group>/ pick one option each; these are the
+# options a run gets when it names none (configs/rl.yaml's defaults list is generated from them).
+CONFIG_GROUP_DEFAULTS = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}
+CONFIG_GROUPS = tuple(CONFIG_GROUP_DEFAULTS)
 
 
 def section_types(engine_name: Optional[str] = None) -> dict[str, type]:
