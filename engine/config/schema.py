@@ -38,19 +38,44 @@ class DataConfig:
     train_batch_size: int = _f(32, "prompts per RL step (each sampled algorithm.rollout_n times)", min=1)
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed and the epoch)")
     max_prompt_length: int = _f(64, "prompts longer than this many tokens are rejected at load time", min=1)
+    filter_overlong_prompts: bool = _f(False, "drop (and count) prompts longer than max_prompt_length instead of "
+                                       "refusing them")
 
 
 @dataclass
 class TaskConfig:
-    name: str = _f("echo", "built-in task, or jsonl/parquet for a prompt file",
-                   choices=["echo", "add", "arith", "jsonl", "parquet"])
-    path: str = _f("", "prompt file for name=jsonl|parquet (one object per row)")
-    reward_fn: str = _f("", "module:function scoring (prompt, response, answer) -> float; cwd is importable")
-    prompt_key: str = _f("prompt", "column holding the prompt text")
-    answer_key: str = _f("answer", "column holding the reference answer passed to the reward function")
+    name: str = _f("echo", "built-in task, or dataset (jsonl/parquet: the same loader) for your own data",
+                   choices=["echo", "add", "arith", "dataset", "jsonl", "parquet"])
+    path: str = _f("", "dataset: a Parquet/JSONL/JSON/Arrow file, a save_to_disk or data-file directory, or a "
+                       "dataset name in the local Hugging Face cache")
+    format: str = _f("auto", "dataset row layout: text (prompt + answer columns), verl (chat prompt, "
+                             "reward_model.ground_truth), trl (prompt text or messages; columns reach the reward); "
+                             "auto detects it", choices=["auto", "text", "verl", "trl"])
+    subset: str = _f("", "dataset: configuration name of a cached Hugging Face dataset (e.g. main for gsm8k)")
+    split: str = _f("train", "dataset: split to train on")
+    val_split: str = _f("", "dataset: held-out split (first num_val rows); empty holds out rows of the train split")
+    reward_fn: str = _f("", "module:function (or rl:<name>, a built-in) scoring (prompt, response, answer, **row); "
+                            "cwd is importable")
+    reward_fns: list = _f([], "several reward functions (module:function), summed with reward_weights; each is "
+                              "logged separately")
+    reward_weights: list = _f([], "weights of reward_fns (empty: 1.0 each)")
+    reward_batched: bool = _f(False, "reward functions take whole batches, TRL style: "
+                                     "fn(prompts, completions, **columns) -> list[float]")
+    reward_workers: int = _f(0, "processes scoring rewards in parallel (spawned); 0 = serially on the driver",
+                             min=0)
+    reward_timeout_s: float = _f(0.0, "seconds one reward call may take before it counts as hung; 0 = no limit",
+                                 min=0.0)
+    reward_on_error: str = _f("raise", "a reward call that raises or hangs: raise stops the run (last checkpoint "
+                                       "intact); zero scores it 0 and counts it", choices=["raise", "zero"])
+    correct_fn: str = _f("", "module:function -> bool: exact correctness, reported as accuracy")
+    prompt_key: str = _f("prompt", "column holding the prompt (text, or a list of {role, content} messages)")
+    answer_key: str = _f("answer", "column holding the reference answer (verl rows: reward_model.ground_truth)")
     num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1)
-    num_val: int = _f(64, "built-in tasks: number of held-out prompts", min=0)
-    chat_template: bool = _f(False, "wrap prompts in the tokenizer's chat template")
+    num_val: int = _f(64, "held-out prompts: generated (built-in tasks) or taken from the data (at most)", min=0)
+    chat_template: bool = _f(False, "wrap text prompts in the tokenizer's chat template (message prompts always "
+                                    "use it)")
+    allow_dataset_change: bool = _f(False, "rl resume: continue although the dataset differs from the one the "
+                                           "run started with")
 
 
 @dataclass

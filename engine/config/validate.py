@@ -156,14 +156,16 @@ def build_run_config(data: dict) -> RunConfig:
 
 def check_cross_field(cfg: RunConfig) -> None:
     """Rules that involve more than one key."""
-    if cfg.task.name in ("jsonl", "parquet"):
+    if cfg.task.name in ("dataset", "jsonl", "parquet"):
         if not cfg.task.path:
-            raise ConfigError(f"`task={cfg.task.name}` needs `task.path=/path/to/prompts.{cfg.task.name}`.",
+            raise ConfigError(f"`task={cfg.task.name}` needs `task.path=` (a Parquet/JSONL/JSON/Arrow file, a "
+                              f"save_to_disk directory, or a dataset name in the local Hugging Face cache).",
                               title="invalid config")
-        if not cfg.task.reward_fn:
-            raise ConfigError("A prompt-file task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match` "
-                              "(a function (prompt, response, answer) -> float; the current directory is importable).",
-                              title="invalid config")
+        if not cfg.task.reward_fn and not cfg.task.reward_fns:
+            raise ConfigError("A dataset task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match` "
+                              "(a function (prompt, response, answer, **row) -> float; the current directory is "
+                              "importable), a built-in such as `task.reward_fn=rl:math_boxed`, or several with "
+                              "`'task.reward_fns=[mod:fmt,mod:acc]'`.", title="invalid config")
     if cfg.algorithm.ppo_mini_batch_size and cfg.data.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
         raise ConfigError(
             f"`data.train_batch_size` ({cfg.data.train_batch_size}) must be a multiple of "

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str          # text shown to the model (chat template applied later if configured)
-    answer: str          # reference passed to the reward function
+    prompt: Any          # text, or a list of {role, content} messages (rendered with the chat template)
+    answer: Any          # reference passed to the reward function (usually a string)
+    row: dict = field(default_factory=dict, compare=False)   # other columns, passed to the reward by name
+    origin: str = field(default="", compare=False)           # "train.parquet row 17", for error messages
 
 
 # reward(prompt, response, answer) -> float in [0, 1] for built-in tasks
@@ -26,3 +28,8 @@ class Task:
     correct: Optional[Callable[[str, str, str], bool]] = None
     # characters the built-in tokenizer must cover (built-in tasks only)
     alphabet: str = ""
+    # importable reward/correctness functions (engine.rewards.spec.RewardFnSpec); empty = derived
+    # from `reward` / `correct`, which must then be module-level functions
+    reward_specs: list = field(default_factory=list)
+    # how the data was read (dataset tasks): format, source, fingerprint, dropped rows ...
+    data_info: dict = field(default_factory=dict)

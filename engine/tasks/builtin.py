@@ -18,6 +18,10 @@ def echo_reward(prompt: str, response: str, answer: str) -> float:
     return hits / len(answer)
 
 
+def echo_correct(prompt: str, response: str, answer: str) -> bool:
+    return response[:len(answer)] == answer
+
+
 ECHO_LETTERS = "abcdefgh"
 
 
@@ -31,7 +35,7 @@ def make_echo_task(cfg: TaskConfig, seed: int) -> Task:
         return Example(prompt=f"{c}:", answer=c * ECHO_LENGTH)
     train = [sample() for _ in range(cfg.num_train)]
     val = [sample() for _ in range(cfg.num_val)]
-    return Task("echo", train, val, echo_reward, correct=lambda p, r, a: r[:len(a)] == a,
+    return Task("echo", train, val, echo_reward, correct=echo_correct,
                 alphabet=letters + ":")
 
 
@@ -44,6 +48,10 @@ def add_reward(prompt: str, response: str, answer: str) -> float:
     return 0.5 * hits / max(len(answer), len(resp), 1)
 
 
+def add_correct(prompt: str, response: str, answer: str) -> bool:
+    return response.strip() == answer
+
+
 def make_add_task(cfg: TaskConfig, seed: int) -> Task:
     """'23+19=' -> '42'."""
     rng = random.Random(seed)
@@ -52,5 +60,5 @@ def make_add_task(cfg: TaskConfig, seed: int) -> Task:
         return Example(prompt=f"{a}+{b}=", answer=str(a + b))
     train = [sample() for _ in range(cfg.num_train)]
     val = [sample() for _ in range(cfg.num_val)]
-    return Task("add", train, val, add_reward, correct=lambda p, r, a: r.strip() == a,
+    return Task("add", train, val, add_reward, correct=add_correct,
                 alphabet=string.digits + "+=")

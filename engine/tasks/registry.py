@@ -5,6 +5,8 @@ from __future__ import annotations
 from engine.config.schema import TaskConfig
 from engine.tasks.base import Task
 
+FILE_TASKS = ("dataset", "jsonl", "parquet")  # one loader; jsonl/parquet are kept as aliases
+
 
 def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "echo":
@@ -16,5 +18,5 @@ def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "arith":
         from engine.tasks.arith import make_arith_task
         return make_arith_task(cfg, seed)
-    from engine.tasks.prompt_file import make_file_task
-    return make_file_task(cfg, seed)
+    from engine.tasks.dataset import make_dataset_task
+    return make_dataset_task(cfg, seed)

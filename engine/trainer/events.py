@@ -23,6 +23,8 @@ class RunPlan:
     changed: dict               # key -> (before, now): before = the default, or the checkpoint's value on resume
     run_dir: str
     changed_from: str = "default"   # what `before` in `changed` is: "default" or "checkpoint"
+    data: str = ""                  # dataset tasks: source, detected format, dropped prompts
+    reward: str = ""                # reward functions, weights, workers
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,6 +54,8 @@ class StepRecord:
     checkpoint: str | None = None
     memory: list = field(default_factory=list)      # per-rank, per-phase memory records
     algo: dict = field(default_factory=dict)        # estimator extras (dynamic sampling, overlong penalty, ...)
+    reward_fns: dict = field(default_factory=dict)  # several reward functions: each one's mean (unweighted)
+    reward_failures: int = 0                        # reward calls that raised/hung, scored 0 (reward_on_error=zero)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -65,6 +69,8 @@ class Validation:
     accuracy: float | None
     reward: float
     correct: list | None = None     # per held-out problem, in order (when the task defines it)
+    rewards: list | None = None     # per held-out problem, in order
+    reward_failures: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -17,6 +17,7 @@ class RunInputs:
     val_prompts: list[list[int]]
     model_path: str
     vocab: dict      # {"size", "pad", "eos"}
+    rewards: object = None  # engine.rewards.compute.RewardRunner (close() it when the run ends)
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
@@ -29,25 +30,30 @@ def resolve_model_path(cfg: RunConfig) -> str:
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
-    from engine.model.tokenizer import CharTokenizer, HFTokenizer, encode_prompt
+    from engine.model.tokenizer import CharTokenizer, HFTokenizer
     from engine.tasks.registry import make_task
 
     task = make_task(cfg.task, cfg.trainer.seed)
     model_path = resolve_model_path(cfg)
     if model_path:
-        tok = HFTokenizer(model_path, chat_template=cfg.task.chat_template)
+        tok = HFTokenizer(model_path)
     else:
         if not task.alphabet:
             raise ConfigError(f"task={cfg.task.name} needs a real tokenizer: set model.path=/path/to/hf-model "
                               f"or a model preset (e.g. model=smollm2-135m).", title="invalid config")
         tok = CharTokenizer(task.alphabet)
-    train = [encode_prompt(tok, e.prompt) for e in task.train]
-    val = [encode_prompt(tok, e.prompt) for e in task.val]
-    too_long = [len(p) for p in train + val if len(p) > cfg.data.max_prompt_length]
-    if too_long:
-        raise ConfigError(f"{len(too_long)} prompts are longer than data.max_prompt_length="
-                          f"{cfg.data.max_prompt_length} tokens (longest {max(too_long)}). Raise "
-                          f"data.max_prompt_length or shorten the prompts.", title="invalid config")
+    from engine.data.prompts import encode_split
+
+    enc = {split: encode_split(tok, examples, split=split, max_len=cfg.data.max_prompt_length,
+                               filter_overlong=cfg.data.filter_overlong_prompts, chat_template=cfg.task.chat_template)
+           for split, examples in (("train", task.train), ("held-out", task.val))}
+    task.train, task.val = enc["train"].examples, enc["held-out"].examples
+    train, val = enc["train"].ids, enc["held-out"].ids
+    if not train:
+        raise ConfigError(f"All {len(enc['train'].dropped)} training prompts are longer than data.max_prompt_length="
+                          f"{cfg.data.max_prompt_length} tokens and were dropped. Raise data.max_prompt_length.",
+                          title="prompt too long")
+    task.data_info["dropped_overlong"] = {k: len(v.dropped) for k, v in enc.items()}
     limit = cfg.model.max_position_embeddings if not model_path else None
     if limit and cfg.data.max_prompt_length + cfg.rollout.max_new_tokens > limit:
         longest = max(len(p) for p in train + val)
@@ -59,4 +65,6 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
 
         check_vllm_config(cfg, head_dim_of(hf_config_for(cfg, model_path, vocab)))
-    return RunInputs(task, tok, train, val, model_path, vocab)
+    from engine.rewards.compute import make_runner
+
+    return RunInputs(task, tok, train, val, model_path, vocab, make_runner(task, cfg.task))

@@ -21,6 +21,8 @@ from engine.algorithms.estimators import compute_advantages
 from engine.batch import SequenceBatch
 from engine.checkpoint.layout import step_dir_name
 from engine.config.schema import RunConfig
+from engine.data.fingerprint import write_record as write_dataset_record
+from engine.rewards.compute import RewardError, samples_of
 from engine.trainer.data import PromptStream
 from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
@@ -38,6 +40,7 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
     rdir = RunDir(run_dir)
     if resume is None:
         rdir.create(cfg, overrides or [], overwrite=cfg.checkpoint.overwrite)
+    write_dataset_record(rdir.path, inputs.task.data_info)  # `rl resume` refuses changed data
     stream = PromptStream(len(inputs.train_prompts), cfg.trainer.seed, cfg.data.shuffle)
     start_step = 0
 
@@ -80,7 +83,10 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                     checkpoints.append(rec.checkpoint)
                 records.append(rec)
                 on_event(rec)
+        except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
+            raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
         finally:
+            inputs.rewards.close()
             workers.shutdown()
     rewards = [r.reward_mean for r in records]
     summary = RunSummary(
@@ -101,7 +107,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     workers.onload(step)
     n = cfg.algorithm.rollout_n
     gen_stats: list = []
-    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats)  # noqa: E731
+    scores: list = []
+    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores)  # noqa: E731
     sampling = None
     if cfg.algorithm.dynamic_sampling:
         from engine.algorithms.dynamic_sampling import dynamic_sample
@@ -176,13 +183,15 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
         pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
         micro_batch_shapes=[list(s) for s in sorted(shapes)],
-        timing=timing, memory=memory, algo=algo)
+        timing=timing, memory=memory, algo=algo, reward_fns=_fn_means(scores) if len(scores[0].per_fn) > 1 else {},
+        reward_failures=sum(len(sc.failures) for sc in scores))
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,
-                       timing: dict, gen_stats: list) -> Rollout:
+                       timing: dict, gen_stats: list, scores: list) -> Rollout:
     """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
-    rule on the driver; adds to ``timing`` (rollout, reward) and ``gen_stats`` (per rank)."""
+    functions (engine/rewards: serially or in a process pool); adds to ``timing`` (rollout, reward),
+    ``gen_stats`` (per rank) and ``scores`` (engine.rewards.compute.RewardScores per draw)."""
     t = time.perf_counter()
     idx = stream.next_indices(k)
     examples = [inputs.task.train[i] for i in idx]
@@ -194,12 +203,10 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
 
     t = time.perf_counter()
     responses = decode_responses(inputs.tokenizer, batch)
-    rewards = torch.tensor([inputs.task.reward(examples[i // n].prompt, r, examples[i // n].answer)
-                            for i, r in enumerate(responses)], dtype=torch.float32)
-    correct = None
-    if inputs.task.correct is not None:
-        correct = [bool(inputs.task.correct(examples[i // n].prompt, r, examples[i // n].answer))
-                   for i, r in enumerate(responses)]
+    scored = inputs.rewards.score(samples_of(examples, responses, n))
+    scores.append(scored)
+    rewards = torch.tensor(scored.total, dtype=torch.float32)
+    correct = scored.correct
     timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
     return Rollout(batch, rewards, correct, examples)
 
@@ -211,13 +218,10 @@ def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validatio
     workers.onload(step)
     batch, _ = workers.generate(inputs.val_prompts, 1, greedy=True)
     responses = decode_responses(inputs.tokenizer, batch)
-    ex = inputs.task.val
-    reward = sum(inputs.task.reward(e.prompt, r, e.answer) for e, r in zip(ex, responses)) / len(ex)
-    acc = correct = None
-    if inputs.task.correct is not None:
-        correct = [bool(inputs.task.correct(e.prompt, r, e.answer)) for e, r in zip(ex, responses)]
-        acc = sum(correct) / len(ex)
-    return Validation(step, acc, reward, correct)
+    scored = inputs.rewards.score(samples_of(inputs.task.val, responses))
+    reward = sum(scored.total) / len(responses)
+    acc = None if scored.correct is None else sum(scored.correct) / len(responses)
+    return Validation(step, acc, reward, scored.correct, rewards=scored.total, reward_failures=len(scored.failures))
 
 
 def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:
@@ -228,8 +232,38 @@ def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:
     return out
 
 
+def _fn_means(scores: list) -> dict:
+    """Each reward function's mean over every sample drawn this step (all dynamic-sampling rounds)."""
+    n = sum(len(sc.total) for sc in scores)
+    return {name: sum(sum(sc.per_sample_fn[name]) for sc in scores) / n for name in scores[0].per_fn}
+
+
+def _last_checkpoint_hint(run_dir: Path) -> str:
+    from engine.checkpoint.layout import latest_complete
+
+    latest = latest_complete(run_dir)
+    if latest is None:
+        return (f"No checkpoint was saved yet: fix the function and start again (`checkpoint.overwrite=true` "
+                f"replaces {run_dir}).")
+    return f"The last checkpoint, {latest.path}, is intact: fix the function and continue with `rl resume {run_dir}`."
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _data_line(inputs: RunInputs) -> str:
+    """Where prompts came from, for the plan table (dataset tasks): source, format, dropped rows."""
+    info = inputs.task.data_info
+    dropped = sum((info.get("dropped_overlong") or {}).values())
+    parts = [f"{info['source']}  (format {info['format']}"] if info.get("source") else []
+    if parts and info.get("val_split"):
+        parts[0] += f", held-out split {info['val_split']}"
+    if parts:
+        parts[0] += ")"
+    if dropped:
+        parts.append(f"{dropped} overlong prompts dropped")
+    return "; ".join(parts)
 
 
 def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: dict, run_dir: Path) -> RunPlan:
@@ -242,5 +276,6 @@ def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: 
                    ranks=c.trainer.nprocs, dp_size=workers.dp_size, device=workers.info[0]["device"],
                    task=c.task.name, num_train=len(inputs.train_prompts), num_val=len(inputs.val_prompts),
                    total_steps=c.trainer.total_steps, start_step=start_step, rollout=c.rollout.name,
-                   key_settings=key, changed=changed, run_dir=str(run_dir),
+                   key_settings=key, changed=changed, run_dir=str(run_dir), data=_data_line(inputs),
+                   reward=inputs.rewards.describe(),
                    changed_from="checkpoint" if start_step else "default")

@@ -18,6 +18,7 @@ STEP_COLUMNS = [  # header, width, getter
     ("pad%", 5, lambda r: f"{100 * r.pad_fraction:.0f}"),
     ("step s", 6, lambda r: f"{r.step_time_s:.2f}"),
     ("peak mem", 9, lambda r: human_bytes(r.peak_mem_bytes)),
+    ("rfail", 5, lambda r: str(r.reward_failures) if getattr(r, "reward_failures", 0) else "-"),
     ("val", 6, lambda r: "" if r.val_accuracy is None and r.val_reward is None
      else f"{r.val_accuracy if r.val_accuracy is not None else r.val_reward:.2f}"),
 ]
@@ -39,6 +40,10 @@ def plan_table(plan) -> Table:
                         f"{plan.device})")
     t.add_row("model", f"{plan.model}  ({plan.num_params:,} params)")
     t.add_row("task", f"{plan.task}  ({plan.num_train} train / {plan.num_val} held-out prompts)")
+    if getattr(plan, "data", ""):
+        t.add_row("data", plan.data)
+    if getattr(plan, "reward", ""):
+        t.add_row("reward", plan.reward)
     t.add_row("rollout", plan.rollout)
     t.add_row("steps", f"{plan.start_step + 1} .. {plan.total_steps}")
     for k, v in plan.key_settings.items():
@@ -56,8 +61,8 @@ class StepPrinter:
     """Prints one aligned row per step (works in terminals and in logs/pipes)."""
 
     def __init__(self, console: Console, log_freq: int = 1):
-        # rows need ~118 columns; logs and pipes default to 80, so widen rather than squeeze
-        self.console = Console(file=console.file, width=max(console.width, 118), highlight=False,
+        # rows need ~124 columns; logs and pipes default to 80, so widen rather than squeeze
+        self.console = Console(file=console.file, width=max(console.width, 124), highlight=False,
                                force_terminal=console.is_terminal, no_color=console.no_color)
         self.log_freq = log_freq
         self.rows = 0
@@ -80,7 +85,8 @@ class StepPrinter:
 
     def validation(self, v) -> None:
         acc = "-" if v.accuracy is None else f"{v.accuracy:.3f}"
-        self.console.print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}")
+        failed = f", {v.reward_failures} reward calls failed (scored 0)" if getattr(v, "reward_failures", 0) else ""
+        self.console.print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}{failed}")
 
 
 def summary_table(s) -> Table:

@@ -1,0 +1,116 @@
+"""Open a dataset through the `datasets` library, offline.
+
+``task.path`` may be a Parquet / JSONL / JSON / Arrow / CSV file, a ``save_to_disk`` directory
+(a Dataset or a DatasetDict), a directory of data files (splits named by file, e.g.
+``train.parquet`` / ``test.parquet``), or the name of a dataset in the local Hugging Face cache
+(``openai/gsm8k`` with ``task.subset=main``). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ConfigError
+
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
+TASK_BUILDERS = {"jsonl": "json", "parquet": "parquet"}  # task=jsonl|parquet with another file extension
+
+
+@dataclass
+class OpenedDataset:
+    splits: dict            # split name -> datasets.Dataset
+    source: str             # what was opened, for messages
+    kind: str               # "file", "save_to_disk", "directory" or "hf_cache"
+
+
+def _datasets():
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("Loading a dataset needs the `datasets` library: pip install 'rl[data]'.",
+                          title="missing dependency") from None
+    datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _as_splits(obj, default: str) -> dict:
+    if isinstance(obj, dict):  # a DatasetDict
+        return dict(obj)
+    return {default: obj}
+
+
+def _unreadable(what: str, e: Exception, fix: str) -> ConfigError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError(f"Cannot read {what}: {type(e).__name__}: {msg[:300]}. {fix}", title="invalid dataset")
+
+
+def looks_like_name(path: str) -> bool:
+    return not path.startswith((".", "/", "~")) and Path(path).suffix.lower() not in BUILDERS and \
+        path.count("/") <= 1 and all(p for p in path.split("/"))
+
+
+def cache_dirs() -> list[str]:
+    ds = _datasets()
+    from huggingface_hub import constants
+
+    return [str(ds.config.HF_DATASETS_CACHE), str(constants.HF_HUB_CACHE)]
+
+
+def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", split: str = "train") -> OpenedDataset:
+    datasets = _datasets()
+    p = Path(os.path.expanduser(path))
+    if p.is_file():
+        builder = BUILDERS.get(p.suffix.lower()) or TASK_BUILDERS.get(task_name)
+        if builder is None:
+            raise ConfigError(f"`task.path={path}`: cannot tell the format of `{p.name}` from its extension; use "
+                              f"one of {', '.join(BUILDERS)}.", title="invalid dataset")
+        try:
+            d = datasets.load_dataset(builder, data_files={split: str(p)})
+        except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many types for a malformed file
+            raise _unreadable(str(p), e, f"Check that it is valid {builder.upper()}.") from None
+        return OpenedDataset(_as_splits(d, split), str(p), "file")
+    if p.is_dir():
+        if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
+            try:
+                d = datasets.load_from_disk(str(p))
+            except Exception as e:  # noqa: BLE001
+                raise _unreadable(f"the saved dataset {p}", e, "Re-save it with Dataset.save_to_disk.") from None
+            return OpenedDataset(_as_splits(d, split), str(p), "save_to_disk")
+        try:
+            d = datasets.load_dataset(str(p))
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(f"the directory {p}", e, "Point task.path at a data file, a save_to_disk directory, "
+                              "or a directory of Parquet/JSONL files named by split (train.parquet, "
+                              "test.parquet).") from None
+        return OpenedDataset(_as_splits(d, split), str(p), "directory")
+    if looks_like_name(path):
+        try:
+            d = datasets.load_dataset(path, subset or None)
+        except Exception as e:  # noqa: BLE001 - offline misses surface as several exception types
+            where = " and ".join(cache_dirs())
+            raise ConfigError(
+                f"`task.path={path}` is not a file or directory here, and no dataset `{path}`"
+                f"{f' (subset {subset})' if subset else ''} is in the local Hugging Face cache (looked in {where}; "
+                f"offline, nothing is downloaded): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                f". Download it once elsewhere and copy the cache, or save it with `save_to_disk` and pass that "
+                f"directory.", title="dataset not found") from None
+        return OpenedDataset(_as_splits(d, split), f"{path}{':' + subset if subset else ''} (HF cache)", "hf_cache")
+    raise ConfigError(f"`task.path={path}` does not exist. Give a Parquet/JSONL/JSON/Arrow file, a save_to_disk "
+                      f"directory, or a dataset name in the local Hugging Face cache.", title="invalid config value")
+
+
+def pick_split(opened: OpenedDataset, split: str, key: str):
+    if split in opened.splits:
+        return opened.splits[split]
+    names = list(opened.splits)
+    close = difflib.get_close_matches(split, names, n=1)
+    hint = f" Did you mean `{key}={close[0]}`?" if close else ""
+    raise ConfigError(f"`{key}={split}`: {opened.source} has no split `{split}`.{hint} Splits: "
+                      f"{', '.join(names)}.", title="invalid config value")

@@ -1,0 +1,101 @@
+"""Built-in verifiable rewards, usable as ``task.reward_fn=rl:<name>``.
+
+  rl:math_boxed    the last \\boxed{...} in the response equals the answer   -> (1.0|0.0, correct)
+  rl:gsm8k         the number after the last "####" (else the last number)
+                   equals the answer's (a gsm8k answer "... #### 72" works) -> (1.0|0.0, correct)
+  rl:exact_match   the stripped response equals the stripped answer        -> (1.0|0.0, correct)
+  rl:boxed_format  1.0 when the response gives a \\boxed{...} answer
+  rl:think_format  1.0 when the response is <think>...</think> followed by a non-empty answer
+
+Answers are compared after light normalisation (spaces, a surrounding $...$, \\text{}, a
+trailing period, thousands separators), and numerically when both sides are numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+_HASH = re.compile(r"####\s*([^\n]*)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_THINK = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.DOTALL)
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
+
+
+def normalize(ans: str) -> str:
+    s = str(ans).strip()
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = s.strip("$ ").rstrip(".").replace("\\!", "").replace("dfrac", "frac").replace("tfrac", "frac")
+    s = re.sub(r"\s+", "", s)
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def same_answer(a: Optional[str], b: str) -> bool:
+    if a is None:
+        return False
+    x, y = normalize(a), normalize(b)
+    if x == y:
+        return True
+    try:
+        return abs(float(x) - float(y)) <= 1e-6 * max(1.0, abs(float(y)))
+    except ValueError:
+        return False
+
+
+def gsm8k_final(text: str) -> Optional[str]:
+    """The answer after the last "####", else the last number in the text."""
+    tagged = _HASH.findall(text)
+    if tagged:
+        nums = _NUMBER.findall(tagged[-1])
+        return nums[0] if nums else tagged[-1].strip()
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def _scored(ok: bool) -> tuple[float, bool]:
+    return float(ok), ok
+
+
+def math_boxed(prompt, response: str, answer: str) -> tuple[float, bool]:
+    ref = last_boxed(answer) or answer
+    return _scored(same_answer(last_boxed(response), ref))
+
+
+def gsm8k(prompt, response: str, answer: str) -> tuple[float, bool]:
+    ref = gsm8k_final(answer) if "####" in answer else answer
+    return _scored(ref is not None and same_answer(gsm8k_final(response), ref))
+
+
+def exact_match(prompt, response: str, answer: str) -> tuple[float, bool]:
+    return _scored(response.strip() == str(answer).strip())
+
+
+def boxed_format(prompt, response: str, answer: str) -> float:
+    return float(last_boxed(response) is not None)
+
+
+def think_format(prompt, response: str, answer: str) -> float:
+    return float(_THINK.fullmatch(response) is not None)
+
+
+BUILTINS = {f.__name__: f for f in (math_boxed, gsm8k, exact_match, boxed_format, think_format)}

@@ -1,0 +1,156 @@
+"""The one entry point the trainer uses: ``RewardRunner.score(samples) -> RewardScores``.
+
+Each reward function is called on every sample (per sample, or on batches), wherever the
+config says (driver, watched thread, process pool). The total is the weighted sum of the
+functions' scores; each function's mean is reported on its own. Correctness comes from
+``task.correct_fn`` or from the first reward function that returns ``(score, correct)``.
+
+A call that raises, returns something that is not a score, or takes longer than
+``task.reward_timeout_s``: with ``task.reward_on_error=raise`` a ``RewardError`` naming the
+function, the row and the exception; with ``zero`` the call scores 0 and is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.errors import UserError
+from engine.rewards.call import Sample
+from engine.rewards.executors import ProcessPool, run_inline, run_watched
+from engine.rewards.spec import RewardFnSpec
+
+
+@dataclass
+class RewardFailure:
+    fn: str
+    origin: str          # the row (or rows, for a batched call)
+    error: str           # "ExcType: message", "bad return value: ...", or "timed out after N s"
+    where: str = ""      # file:line in function, when known
+
+
+class RewardError(UserError):
+    """A reward function failed and ``task.reward_on_error=raise``."""
+
+    def __init__(self, failure: RewardFailure, prompt: object = None, resume_hint: str = ""):
+        self.failure, self.prompt = failure, prompt
+        where = f" (at {failure.where})" if failure.where else ""
+        shown = "" if prompt is None else f" (prompt {_short(prompt)})"
+        super().__init__(
+            f"reward function `{failure.fn}` failed on {failure.origin}{shown}: {failure.error}{where}. Fix the "
+            f"function (call it on that row to reproduce), or set task.reward_on_error=zero to score failing calls "
+            f"0 and count them.{' ' + resume_hint if resume_hint else ''}", title="reward function failed")
+
+
+@dataclass
+class RewardScores:
+    total: list[float]                       # weighted sum per sample
+    per_fn: dict[str, float]                 # each reward function's mean raw score
+    correct: Optional[list[bool]]            # per sample, when the task defines correctness
+    failures: list[RewardFailure] = field(default_factory=list)
+    per_sample_fn: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _short(prompt: object, n: int = 80) -> str:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content", "")
+    s = repr(prompt)
+    return s if len(s) <= n else s[:n - 3] + "...'"
+
+
+class RewardRunner:
+    def __init__(self, specs: list[RewardFnSpec], *, workers: int = 0, timeout_s: float = 0.0,
+                 on_error: str = "raise"):
+        self.specs = [s for s in specs if s.role == "reward"]
+        self.correct_spec = next((s for s in specs if s.role == "correct"), None)
+        self.workers, self.timeout_s, self.on_error = workers, timeout_s, on_error
+        self._pool = ProcessPool(workers) if workers > 0 else None
+
+    def describe(self) -> str:
+        parts = [s.name if len(self.specs) == 1 and s.weight == 1.0 else f"{s.weight:g} x {s.name}"
+                 for s in self.specs]
+        how = ["batched"] if any(s.batched for s in self.specs) else []
+        how.append(f"{self.workers} workers" if self.workers else "serial")
+        if self.timeout_s:
+            how.append(f"timeout {self.timeout_s:g} s")
+        if self.on_error == "zero":
+            how.append("failures score 0")
+        return " + ".join(parts) + f"  ({', '.join(how)})"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def _calls(self, spec: RewardFnSpec, samples: list[Sample]) -> list[tuple[list[int], tuple]]:
+        idx = list(range(len(samples)))
+        if not spec.batched:
+            groups = [[i] for i in idx]
+        else:  # one batch per worker (contiguous), or the whole batch
+            k = max(1, min(self.workers, len(samples)))
+            size = -(-len(samples) // k)
+            groups = [idx[a:a + size] for a in range(0, len(samples), size)]
+        return [(g, (spec.target, spec.batched, spec.role, [samples[i] for i in g])) for g in groups]
+
+    def _execute(self, calls: list[tuple], stop: bool) -> list:
+        if self._pool is not None:
+            return self._pool.run(calls, self.timeout_s, stop)
+        if self.timeout_s:
+            return run_watched(calls, self.timeout_s, stop)
+        return run_inline(calls, stop)
+
+    def score(self, samples: list[Sample]) -> RewardScores:
+        specs = self.specs + ([self.correct_spec] if self.correct_spec else [])
+        plan = [(spec, groups) for spec in specs for groups in self._calls(spec, samples)]
+        stop = self.on_error == "raise"
+        outcomes = self._execute([c for _, (_, c) in plan], stop)
+        n = len(samples)
+        raw = {s.name: [0.0] * n for s in specs}
+        returned_correct: dict[str, list] = {s.name: [None] * n for s in specs}
+        failures: list[RewardFailure] = []
+        for (spec, (group, _)), outcome in zip(plan, outcomes):
+            if outcome is not None and outcome[0] == "ok":
+                for i, (score, corr) in zip(group, outcome[1]):
+                    raw[spec.name][i] = score
+                    returned_correct[spec.name][i] = corr
+                continue
+            if outcome is None:
+                continue  # not run: an earlier call failed and the run stops
+            origin = samples[group[0]].origin if len(group) == 1 else \
+                f"{len(group)} rows of one batched call ({samples[group[0]].origin} .. {samples[group[-1]].origin})"
+            if outcome[0] == "timeout":
+                failure = RewardFailure(spec.name, origin, f"no result within task.reward_timeout_s="
+                                                            f"{self.timeout_s:g} s (hung, or too slow)")
+            else:
+                failure = RewardFailure(spec.name, origin, outcome[1], outcome[2])
+            if stop:
+                raise RewardError(failure, samples[group[0]].prompt if len(group) == 1 else None)
+            failures.append(failure)  # scored 0, counted
+        total = [sum(s.weight * raw[s.name][i] for s in self.specs) for i in range(n)]
+        correct = None
+        if self.correct_spec is not None:
+            correct = [bool(c) for c in returned_correct[self.correct_spec.name]]
+        else:
+            for s in self.specs:
+                if any(c is not None for c in returned_correct[s.name]):
+                    correct = [bool(c) for c in returned_correct[s.name]]
+                    break
+        per_fn = {s.name: sum(raw[s.name]) / n if n else 0.0 for s in self.specs}
+        return RewardScores(total, per_fn, correct, failures, {s.name: raw[s.name] for s in self.specs})
+
+
+def make_runner(task, task_cfg) -> RewardRunner:
+    """The runner for a task: its configured functions (dataset tasks), or the built-in task's
+    own reward and correctness functions; parallelism and error policy from ``task.*``."""
+    from engine.rewards.spec import spec_for
+
+    specs = list(task.reward_specs)
+    if not specs:
+        specs = [spec_for(task.reward)] + ([spec_for(task.correct, "correct")] if task.correct else [])
+    return RewardRunner(specs, workers=task_cfg.reward_workers, timeout_s=task_cfg.reward_timeout_s,
+                        on_error=task_cfg.reward_on_error)
+
+
+def samples_of(examples: list, responses: list[str], n: int = 1) -> list[Sample]:
+    """Responses (prompt-major, ``n`` per example) -> reward samples."""
+    return [Sample(ex.prompt, r, ex.answer, ex.row, ex.origin) for ex, r in
+            ((examples[i // n], r) for i, r in enumerate(responses))]

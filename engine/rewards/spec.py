@@ -1,0 +1,152 @@
+"""Which functions score a task: ``module:function`` strings (or ``rl:<name>`` built-ins),
+their weights, and whether they take one sample or a whole batch.
+
+A spec is a string so that a spawned worker process can import the same function.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from engine.errors import ConfigError
+
+BUILTIN_PREFIX = "rl:"
+BUILTIN_MODULE = "engine.rewards.builtin"
+
+
+@dataclass(frozen=True)
+class RewardFnSpec:
+    name: str            # what the user wrote (shown in errors, logs and metrics)
+    target: str          # importable module:qualname
+    weight: float = 1.0
+    batched: bool = False
+    role: str = "reward"  # "reward" (summed with its weight) or "correct" (accuracy only)
+
+
+def builtin_names() -> list[str]:
+    from engine.rewards import builtin
+
+    return sorted(builtin.BUILTINS)
+
+
+def target_of(spec: str, key: str) -> str:
+    """``rl:math_boxed`` -> ``engine.rewards.builtin:math_boxed``; ``pkg.mod:fn`` unchanged."""
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX):]
+        names = builtin_names()
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean `rl:{close[0]}`?" if close else ""
+            raise ConfigError(f"`{key}={spec}`: no built-in reward `{name}`.{hint} Built-ins: "
+                              f"{', '.join('rl:' + n for n in names)}.", title="invalid config value")
+        return f"{BUILTIN_MODULE}:{name}"
+    if ":" not in spec or not spec.split(":", 1)[0] or not spec.split(":", 1)[1]:
+        raise ConfigError(f"`{key}={spec}` must look like `module:function` (e.g. mypkg.rewards:exact_match) or "
+                          f"name a built-in (`rl:math_boxed`, `rl:gsm8k`, `rl:exact_match`, ...).",
+                          title="invalid config value")
+    return spec
+
+
+def import_target(target: str, name: Optional[str] = None, key: str = "task.reward_fn") -> Callable:
+    """Import ``module:qualname``; the current directory is importable (as in TRL scripts)."""
+    shown = name or target
+    mod_name, attr = target.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"`{key}={shown}`: cannot import `{mod_name}` ({e}). Run `rl` from the directory that "
+                          f"contains it, or install it.", title="invalid config value") from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise ConfigError(f"`{key}={shown}`: `{mod_name}` has no function `{attr}`.", title="invalid config value")
+    return obj
+
+
+def user_reward_specs(task_cfg) -> list[RewardFnSpec]:
+    """The reward (and correctness) functions a dataset task's config names, validated."""
+    single, several = task_cfg.reward_fn, list(task_cfg.reward_fns or [])
+    if single and several:
+        raise ConfigError(f"Set either `task.reward_fn` or `task.reward_fns`, not both (got reward_fn={single} and "
+                          f"reward_fns={several}). Put every function in reward_fns.", title="invalid config")
+    names = several or ([single] if single else [])
+    if not names:
+        raise ConfigError("A dataset task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match`, a "
+                          "built-in such as `task.reward_fn=rl:math_boxed`, or several with "
+                          "`'task.reward_fns=[mod:fmt,mod:acc]'`. The current directory is importable.",
+                          title="invalid config")
+    weights = list(task_cfg.reward_weights or [])
+    if weights and len(weights) != len(names):
+        raise ConfigError(f"`task.reward_weights` has {len(weights)} value(s) for {len(names)} reward function(s) "
+                          f"({', '.join(names)}): give one weight per function, or none (1.0 each).",
+                          title="invalid config")
+    try:
+        weights = [float(w) for w in weights] or [1.0] * len(names)
+    except (TypeError, ValueError):
+        raise ConfigError(f"`task.reward_weights={task_cfg.reward_weights}` must be numbers.",
+                          title="invalid config value") from None
+    key = "task.reward_fns" if several else "task.reward_fn"
+    specs = [RewardFnSpec(n, target_of(str(n), key), w, bool(task_cfg.reward_batched)) for n, w in zip(names, weights)]
+    if len({s.name for s in specs}) != len(specs):
+        raise ConfigError(f"`task.reward_fns` lists a function twice ({', '.join(names)}); use one entry and its "
+                          f"weight.", title="invalid config")
+    if task_cfg.correct_fn:
+        specs.append(RewardFnSpec(task_cfg.correct_fn, target_of(task_cfg.correct_fn, "task.correct_fn"), 0.0,
+                                  False, role="correct"))
+    for s in specs:
+        check_signature(s, import_target(s.target, s.name, "task.correct_fn" if s.role == "correct" else key))
+    return specs
+
+
+def spec_for(fn: Callable, role: str = "reward") -> RewardFnSpec:
+    """A spec for a module-level function (built-in tasks)."""
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    return RewardFnSpec(target.split(":", 1)[1], target, 1.0, False, role)
+
+
+PER_SAMPLE_ARGS = ("prompt", "response", "answer")
+BATCHED_ARGS = ("prompts", "completions")
+
+
+def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]] = None) -> None:
+    """Refuse a function that cannot be called with the convention its spec says.
+
+    Per sample: ``fn(prompt, response, answer, **row)``; batched: ``fn(prompts, completions,
+    **columns)``. Extra parameters must be dataset columns (when ``columns`` is known), have a
+    default, or be swallowed by ``**kwargs``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: nothing to check
+    params = list(sig.parameters.values())
+    base = BATCHED_ARGS if spec.batched else PER_SAMPLE_ARGS
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
+    convention = ("batched: fn(prompts, completions, **columns) -> list[float]" if spec.batched
+                  else "per sample: fn(prompt, response, answer, **row) -> float")
+    flip = ("; if it scores one sample at a time, drop task.reward_batched=true" if spec.batched
+            else "; if it takes whole batches (TRL style), set task.reward_batched=true")
+    if len(positional) < len(base) and not var_pos:
+        raise ConfigError(f"reward function `{spec.name}{sig}` takes {len(positional)} positional argument(s); the "
+                          f"{convention} convention passes {len(base)} ({', '.join(base)}){flip}.",
+                          title="invalid reward function")
+    if spec.batched is False and positional and positional[0].name in ("prompts", "completions"):
+        raise ConfigError(f"reward function `{spec.name}{sig}` looks batched (first argument `{positional[0].name}`)"
+                          f" but is called per sample{flip}.", title="invalid reward function")
+    extra_required = [p.name for p in params[len(base):] if p.default is p.empty
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if columns is not None and not var_kw:
+        missing = [n for n in extra_required if n not in columns]
+        if missing:
+            raise ConfigError(f"reward function `{spec.name}{sig}` needs {', '.join(missing)}, which the dataset "
+                              f"does not have (columns: {', '.join(sorted(columns)) or 'none'}). Give the "
+                              f"parameter a default, or add the column.", title="invalid reward function")

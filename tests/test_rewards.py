@@ -1,0 +1,215 @@
+"""Reward functions in every convention: per sample with the row's columns by name, batched
+(TRL), several with weights, in a spawned process pool; failures (raise, hang, bad value) end
+as configured; built-in verifiable rewards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config.schema import TaskConfig
+from engine.errors import ConfigError
+from engine.rewards import builtin
+from engine.rewards.compute import RewardError, RewardRunner, samples_of
+from engine.rewards.spec import RewardFnSpec, user_reward_specs
+from engine.tasks.dataset import make_dataset_task
+from tests.data_fixtures import write_trl_jsonl, write_verl_parquet
+
+USER_REWARDS = '''
+import time
+
+SEEN = []
+
+def verl_score(prompt, response, answer, data_source, reward_model, extra_info, ground_truth):
+    # verl's compute_score gets data_source, the ground truth and extra_info
+    assert data_source == "openai/gsm8k" and reward_model["ground_truth"] == ground_truth == answer
+    return (float(response.strip() == answer) + extra_info["index"] / 100, response.strip() == answer)
+
+def trl_batched(prompts, completions, solution, difficulty, **kwargs):
+    # TRL: conversational completions are [{"role": "assistant", "content": ...}]
+    return [float(c[0]["content"].strip() == s) + d / 10 for c, s, d in zip(completions, solution, difficulty)]
+
+def trl_per_sample(prompt, response, answer, solution, difficulty):
+    return float(response.strip() == solution) + difficulty / 10
+
+def length(prompt, response, answer, **row):
+    return len(response) / 10
+
+def slow(prompt, response, answer, **row):
+    time.sleep(0.05)
+    return len(response) / 10
+
+def raises(prompt, response, answer, **row):
+    if "boom" in response:
+        raise ZeroDivisionError("division by zero")
+    return 1.0
+
+def hangs(prompt, response, answer, **row):
+    if "hang" in response:
+        time.sleep(600)
+    return 1.0
+
+def not_a_number(prompt, response, answer):
+    return "high"
+
+def wrong_length(prompts, completions, **kw):
+    return [1.0]
+
+def is_exact(prompt, response, answer, **row):
+    return response.strip() == str(answer)
+'''
+
+
+@pytest.fixture
+def mod(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return "user_rewards"
+
+
+def runner(specs, **kw) -> RewardRunner:
+    return RewardRunner(specs, **kw)
+
+
+def spec(name, weight=1.0, batched=False, role="reward"):
+    return RewardFnSpec(name, name, weight, batched, role)
+
+
+def test_verl_columns_reach_the_reward_by_name(tmp_path, mod):
+    """Every verl column (nested reward_model, data_source, extra_info, ground_truth) arrives by
+    name; a (score, correct) return gives accuracy."""
+    task = make_dataset_task(TaskConfig(name="dataset", path=str(write_verl_parquet(tmp_path / "t.parquet", 6)),
+                                        reward_fn=f"{mod}:verl_score", num_val=0), seed=0)
+    responses = [e.answer if i % 2 else "nope" for i, e in enumerate(task.train)]
+    r = runner(task.reward_specs).score(samples_of(task.train, responses))
+    idx = [e.row["extra_info"]["index"] for e in task.train]
+    assert r.total == pytest.approx([float(i % 2) + idx[i] / 100 for i in range(6)])
+    assert r.correct == [bool(i % 2) for i in range(6)]
+
+
+def test_batched_and_parallel_equal_serial(tmp_path, mod):
+    """TRL batched fn == the same rule per sample == in a 2-process pool; weights sum; each
+    function's mean reported separately."""
+    task = make_dataset_task(TaskConfig(name="dataset", path=str(write_trl_jsonl(tmp_path / "c.jsonl", 8)),
+                                        reward_fn=f"{mod}:trl_batched", reward_batched=True, num_val=0), seed=0)
+    responses = [e.row["solution"] if i % 3 else "x" for i, e in enumerate(task.train)] * 2
+    samples = samples_of(task.train + task.train, responses)
+    batched = runner(task.reward_specs).score(samples)
+    per_sample = runner([spec(f"{mod}:trl_per_sample")]).score(samples)
+    assert batched.total == pytest.approx(per_sample.total)
+    both = [spec(f"{mod}:trl_per_sample", 1.0), spec(f"{mod}:length", 0.5)]
+    serial = runner(both).score(samples)
+    pool = runner(both, workers=2, timeout_s=60)
+    pool_batched = runner([spec(f"{mod}:trl_batched", batched=True)], workers=2)
+    try:
+        parallel = pool.score(samples)
+        assert pool.score(samples).total == parallel.total  # the pool is kept between steps
+        parallel_batched = pool_batched.score(samples)
+    finally:
+        pool.close()
+        pool_batched.close()
+    assert parallel.total == pytest.approx(serial.total)
+    assert parallel_batched.total == pytest.approx(batched.total)
+    assert serial.total == pytest.approx([a + 0.5 * len(r) / 10 for a, r in zip(per_sample.total, responses)])
+    assert set(serial.per_fn) == {f"{mod}:trl_per_sample", f"{mod}:length"}
+    assert serial.per_fn[f"{mod}:length"] == pytest.approx(sum(len(r) / 10 for r in responses) / len(responses))
+
+
+SAMPLES = samples_of([type("E", (), {"prompt": "p", "answer": "a", "row": {}, "origin": f"t.jsonl row {i}"})()
+                      for i in range(4)], ["ok", "boom", "ok", "hang"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_raising_reward_names_function_row_and_exception(mod, workers):
+    r = runner([spec(f"{mod}:raises")], workers=workers)
+    try:
+        with pytest.raises(RewardError) as e:
+            r.score(SAMPLES)
+    finally:
+        r.close()
+    msg = e.value.message
+    assert f"`{mod}:raises` failed on t.jsonl row 1" in msg and "ZeroDivisionError: division by zero" in msg
+    assert "user_rewards.py:" in msg and "in raises" in msg and "task.reward_on_error=zero" in msg
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_hanging_reward_times_out(mod, workers):
+    """A hung call: an error naming the function and the row (raise); or scored 0 and counted
+    (zero), the other rows still scored. In the pool the hung process is killed."""
+    r = runner([spec(f"{mod}:hangs")], workers=workers, timeout_s=2)
+    try:
+        with pytest.raises(RewardError, match=rf"`{mod}:hangs` failed on t.jsonl row 3.*reward_timeout_s=2"):
+            r.score(SAMPLES)
+    finally:
+        r.close()
+    z = runner([spec(f"{mod}:hangs"), spec(f"{mod}:raises")], workers=workers, timeout_s=2, on_error="zero")
+    try:
+        out = z.score(SAMPLES)
+        again = z.score(SAMPLES[:3])  # the pool (or thread) recovers for the next step
+    finally:
+        z.close()
+    assert out.total == [2.0, 1.0, 2.0, 1.0]
+    assert sorted((f.fn.split(":")[1], f.origin) for f in out.failures) == [("hangs", "t.jsonl row 3"),
+                                                                          ("raises", "t.jsonl row 1")]
+    assert again.total == [2.0, 1.0, 2.0] and len(again.failures) == 1
+
+
+def test_bad_return_values(mod):
+    with pytest.raises(RewardError, match=r"not_a_number` failed on t.jsonl row 0 \(prompt 'p'\): bad return value: returned "
+                                          r"str 'high'"):
+        runner([spec(f"{mod}:not_a_number")]).score(SAMPLES)
+    with pytest.raises(RewardError, match=r"returned 1 value\(s\) for a batch of 4"):
+        runner([spec(f"{mod}:wrong_length", batched=True)]).score(SAMPLES)
+
+
+def test_correct_fn_gives_accuracy(mod):
+    r = runner([spec(f"{mod}:length"), spec(f"{mod}:is_exact", role="correct")])
+    out = r.score(samples_of([type("E", (), {"prompt": "p", "answer": "ok", "row": {}, "origin": "r"})()] * 2,
+                             ["ok", "no"]))
+    assert out.correct == [True, False] and out.total == pytest.approx([0.2, 0.2])
+
+
+def test_config_errors(mod):
+    with pytest.raises(ConfigError, match=r"2 value\(s\) for 1 reward function"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fns=[f"{mod}:length"], reward_weights=[1, 2]))
+    with pytest.raises(ConfigError, match=r"looks batched.*but is called per sample.*reward_batched=true"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:trl_batched"))
+    with pytest.raises(ConfigError, match=r"no built-in reward `math_boxd`\. Did you mean `rl:math_boxed`"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn="rl:math_boxd"))
+    with pytest.raises(ConfigError, match=r"no function `nope`"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:nope"))
+
+
+def test_builtin_verifiable_rewards():
+    assert builtin.math_boxed("", r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}") == (1.0, True)
+    assert builtin.math_boxed("", r"\boxed{3} then \boxed{4}", "4") == (1.0, True)
+    assert builtin.math_boxed("", "4", "4") == (0.0, False)  # no boxed answer
+    assert builtin.math_boxed("", r"\boxed{1,000}", "1000") == (1.0, True)
+    assert builtin.gsm8k("", "She sold 48 + 24 = 72 clips.\n#### 72", "72") == (1.0, True)
+    assert builtin.gsm8k("", "... #### 72.0", "Natalia ... #### 72") == (1.0, True)
+    assert builtin.gsm8k("", "the answer is 71", "72") == (0.0, False)
+    assert builtin.exact_match("", " yes\n", "yes") == (1.0, True)
+    assert builtin.boxed_format("", r"\boxed{x}", "") == 1.0 and builtin.boxed_format("", "x", "") == 0.0
+    assert builtin.think_format("", "<think>hm</think> 4", "") == 1.0
+    assert builtin.think_format("", "<think>hm</think>", "") == 0.0
+
+
+def test_builtin_rewards_by_name(tmp_path, mod):
+    specs = user_reward_specs(TaskConfig(name="dataset", reward_fns=["rl:gsm8k", "rl:boxed_format"],
+                                         reward_weights=[1.0, 0.2]))
+    out = runner(specs).score(samples_of([type("E", (), {"prompt": "p", "answer": "72", "row": {}, "origin": "r"})()],
+                                         [r"\boxed{72}"]))
+    assert out.total == [pytest.approx(1.2)] and out.correct == [True]
+
+
+def test_pool_is_faster_than_serial_for_slow_rewards_is_left_to_bench(mod):
+    """Throughput is measured in bench/rewards.py; here only that a slow reward gives the same
+    scores in the pool."""
+    s = SAMPLES[:2]
+    pool = runner([spec(f"{mod}:slow")], workers=2)
+    try:
+        assert pool.score(s).total == runner([spec(f"{mod}:slow")]).score(s).total
+    finally:
+        pool.close()
