@@ -424,6 +424,9 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         if not c.allowed:
             refusals.append(f"{c.key} cannot change on resume ({c.then!r} -> {c.now!r}): {c.reason}. Drop the "
                             f"override, or start a new run with `rl train ... checkpoint.dir=<new dir>`.")
+    from engine.data.fingerprint import dataset_refusals  # a changed dataset (dataset tasks; engine/data/)
+
+    refusals += dataset_refusals(root, cfg)
     if cfg.trainer.total_steps <= step.step:
         refusals.append(f"The checkpoint is at step {step.step} and trainer.total_steps is "
                         f"{cfg.trainer.total_steps}: nothing is left to run. Extend the run: `rl resume {path} "

@@ -1,0 +1,123 @@
+"""`rl train task=dataset` end to end through the CLI: accuracy for a file task, reward
+failures (raise: clean stop with the last checkpoint intact; zero: counted), and `rl resume`
+refusing a changed dataset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REWARDS = '''
+import os
+
+CALLS = 0
+
+def first_char(prompt, response, answer, **row):
+    return (float(response[:1] == answer[:1]), response.strip() == answer)
+
+def length(prompt, response, answer, level):
+    return min(len(response), 10) / 10 + 0 * level
+
+def fails_at_step_3(prompt, response, answer, **row):
+    global CALLS
+    CALLS += 1
+    if CALLS > 16:  # 8 samples per step: the first call of step 3
+        raise ValueError(f"cannot score {response!r}")
+    return 1.0
+
+def hangs_once(prompt, response, answer, **row):
+    marker = os.path.join(os.path.dirname(__file__), "hung.marker")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        import time
+        time.sleep(600)
+    return 1.0
+'''
+
+SMALL = ["trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2", "rollout.max_new_tokens=4"]
+
+
+def rl(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def project(tmp_path):
+    rows = [{"prompt": f"say {w}:", "answer": w, "level": i % 3} for i, w in enumerate(["hi", "ok", "yes", "no"] * 6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "myrewards.py").write_text(REWARDS)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_file_task_reports_accuracy_and_each_reward(project):
+    """Two weighted reward functions (one returning (score, correct)): the step rows carry each
+    function's mean, validation writes per-problem results and accuracy, the plan names the
+    detected format."""
+    r = rl("train", "task=dataset", "task.path=train.jsonl", "task.reward_fns=[myrewards:first_char,myrewards:length]",
+           "task.reward_weights=[1.0,0.5]", "trainer.val_freq=2", "task.num_val=4",
+           *SMALL, "checkpoint.dir=ck", "--json", cwd=project)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train.jsonl  (format text)" in r.stderr and "1 x myrewards:first_char + 0.5 x myrewards:length" in r.stderr
+    rows = [json.loads(x) for x in (project / "ck" / "metrics.jsonl").read_text().splitlines()]
+    assert set(rows[0]["reward_fns"]) == {"myrewards:first_char", "myrewards:length"}
+    assert rows[0]["accuracy"] is not None
+    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward_fns"]["myrewards:first_char"]
+                                                   + 0.5 * rows[0]["reward_fns"]["myrewards:length"])
+    vals = [json.loads(x) for x in (project / "ck" / "validation.jsonl").read_text().splitlines()]
+    assert vals and all(v["accuracy"] is not None and len(v["correct"]) == 4 and len(v["rewards"]) == 4
+                        for v in vals)
+    record = json.loads((project / "ck" / "dataset.json").read_text())
+    assert record["format"] == "text" and len(record["fingerprint"]) == 64
+
+
+@pytest.mark.slow
+def test_raising_reward_stops_cleanly_with_last_checkpoint_intact(project):
+    r = rl("train", "task=dataset", "task.path=train.jsonl", "task.reward_fn=myrewards:fails_at_step_3",
+           "trainer.total_steps=4", "checkpoint.save_freq=2", *SMALL[1:], "checkpoint.dir=ck", cwd=project)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "reward function `myrewards:fails_at_step_3` failed on train.jsonl row" in err
+    assert "ValueError: cannot score" in err and "myrewards.py" in err
+    assert "step_2, is intact" in err and "rl resume" in err
+    assert (project / "ck" / "step_2" / "manifest.json").exists()
+    plan = rl("resume", "ck", "--dry-run", "--json", cwd=project)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert json.loads(plan.stdout)["step"] == 2
+
+
+@pytest.mark.slow
+def test_hanging_reward_scored_zero_and_counted(project):
+    """task.reward_on_error=zero with a pool and a timeout: the hung call's worker is killed,
+    the call scores 0, the step row counts it, the run finishes."""
+    r = rl("train", "task=dataset", "task.path=train.jsonl", "task.reward_fn=myrewards:hangs_once",
+           "task.reward_workers=2", "task.reward_timeout_s=3", "task.reward_on_error=zero", *SMALL,
+           "checkpoint.dir=ck", "--json", cwd=project, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (project / "ck" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["reward_failures"] for x in rows] == [1, 0]
+    assert rows[0]["reward_mean"] == pytest.approx(7 / 8) and rows[1]["reward_mean"] == 1.0
+    assert "rfail" in r.stderr
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_dataset(project):
+    args = ["task=dataset", "task.path=train.jsonl", "task.reward_fn=myrewards:first_char", *SMALL]
+    r = rl("train", *args, "checkpoint.dir=ck", cwd=project)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(project / "train.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": "say new:", "answer": "new", "level": 0}) + "\n")
+    refused = rl("resume", "ck", "trainer.total_steps=3", cwd=project)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    err = " ".join(refused.stderr.split())
+    assert "The dataset `train.jsonl` changed" in err and "task.allow_dataset_change=true" in err
+    ok = rl("resume", "ck", "trainer.total_steps=3", "task.allow_dataset_change=true", "--json", cwd=project)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert json.loads(ok.stdout)["last_step"] == 3
+    record = json.loads((project / "ck" / "dataset.json").read_text())
+    assert len(record["previous"]) == 1  # the original fingerprint is kept
