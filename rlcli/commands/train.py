@@ -13,7 +13,7 @@ EPILOG = """[bold]Examples[/]
   rl train --engine fsdp trainer.nprocs=2         [dim]# two data-parallel ranks (gloo on CPU, nccl on GPU)[/]
   rl train --engine megatron trainer.nprocs=2 engine.tensor_model_parallel_size=2
   rl train task=add optim.lr=5e-3
-  rl train model.path=/models/Qwen2.5-0.5B task=jsonl task.path=prompts.jsonl task.reward_fn=mypkg.rewards:exact_match
+  rl train model.path=/models/Qwen2.5-0.5B task=dataset task.path=prompts.jsonl task.reward_fn=mypkg.rewards:exact_match
   rl train --dry-run engine.pad_to_length=true    [dim]# validate and print the plan, run nothing[/]
 
 Every key: docs/config-reference.md. Continue a run: [bold]rl resume ckpt/[/]."""
