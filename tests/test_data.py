@@ -154,3 +154,31 @@ def test_fingerprint_refuses_changed_dataset(tmp_path, rewards_module):
     cfg.task.allow_dataset_change = True
     assert dataset_refusals(run, cfg) == []
     assert fingerprint_path(str(path)) != task.data_info["fingerprint"]
+
+
+def test_dataset_name_from_the_local_hub_cache(tmp_path):
+    """`task.path=owner/name` loads, offline, a dataset present in the local Hugging Face hub
+    cache (the layout `huggingface-cli download --repo-type dataset` leaves); its fingerprint is
+    recorded like a file's."""
+    import subprocess
+    import sys
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "datasets--me--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    data = repo / "snapshots" / rev / "data"
+    data.mkdir(parents=True)
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": f"q{i}", "answer": str(i)} for i in range(5)]).to_parquet(
+        str(data / "train-00000-of-00001.parquet"))
+    code = ("from engine.config.schema import TaskConfig\n"
+            "from engine.tasks.dataset import make_dataset_task\n"
+            "t = make_dataset_task(TaskConfig(name='dataset', path='me/tiny', reward_fn='rl:exact_match', num_val=1), 0)\n"
+            "print(t.data_info['source'], len(t.train), len(t.val), bool(t.data_info['fingerprint']))\n")
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["me/tiny", "(HF", "hub", "cache)", "4", "1", "True"]

@@ -3,7 +3,8 @@
 ``task.path`` may be a Parquet / JSONL / JSON / Arrow / CSV file, a ``save_to_disk`` directory
 (a Dataset or a DatasetDict), a directory of data files (splits named by file, e.g.
 ``train.parquet`` / ``test.parquet``), or the name of a dataset in the local Hugging Face cache
-(``openai/gsm8k`` with ``task.subset=main``). Nothing is downloaded.
+(``openai/gsm8k`` with ``task.subset=main``): prepared in the `datasets` cache, or a hub-cache
+snapshot. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -91,19 +92,37 @@ def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", spl
                               "test.parquet).") from None
         return OpenedDataset(_as_splits(d, split), str(p), "directory")
     if looks_like_name(path):
-        try:
-            d = datasets.load_dataset(path, subset or None)
-        except Exception as e:  # noqa: BLE001 - offline misses surface as several exception types
-            where = " and ".join(cache_dirs())
-            raise ConfigError(
-                f"`task.path={path}` is not a file or directory here, and no dataset `{path}`"
-                f"{f' (subset {subset})' if subset else ''} is in the local Hugging Face cache (looked in {where}; "
-                f"offline, nothing is downloaded): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                f". Download it once elsewhere and copy the cache, or save it with `save_to_disk` and pass that "
-                f"directory.", title="dataset not found") from None
-        return OpenedDataset(_as_splits(d, split), f"{path}{':' + subset if subset else ''} (HF cache)", "hf_cache")
+        return _open_cached(datasets, path, subset)
     raise ConfigError(f"`task.path={path}` does not exist. Give a Parquet/JSONL/JSON/Arrow file, a save_to_disk "
                       f"directory, or a dataset name in the local Hugging Face cache.", title="invalid config value")
+
+
+def _open_cached(datasets, name: str, subset: str) -> OpenedDataset:
+    """A dataset prepared earlier by `load_dataset(name)` (the datasets cache), else the files of
+    a hub snapshot (`huggingface-cli download --repo-type dataset name`), both offline."""
+    shown = f"{name}{':' + subset if subset else ''}"
+    try:
+        d = datasets.load_dataset(name, subset or None)
+        return OpenedDataset(_as_splits(d, "train"), f"{shown} (HF datasets cache)", "hf_cache")
+    except Exception as e:  # noqa: BLE001 - offline misses surface as several exception types
+        first = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and friends: not in the hub cache either
+        where = " and ".join(cache_dirs())
+        raise ConfigError(
+            f"`task.path={name}` is not a file or directory here, and no dataset `{name}`"
+            f"{f' (subset {subset})' if subset else ''} is in the local Hugging Face cache (looked in {where}; "
+            f"offline, nothing is downloaded; datasets said {first}). Download it once elsewhere and copy the "
+            f"cache, or save it with `save_to_disk` and pass that directory.", title="dataset not found") from None
+    try:
+        d = datasets.load_dataset(snapshot, subset or None)
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(f"the cached snapshot of {name} ({snapshot})", e, "Pass task.subset=<config> if the "
+                          "dataset has several, or point task.path at one of its files.") from None
+    return OpenedDataset(_as_splits(d, "train"), f"{shown} (HF hub cache)", "hf_cache")
 
 
 def pick_split(opened: OpenedDataset, split: str, key: str):
