@@ -43,15 +43,23 @@ def resolve(target: str) -> Callable:
     return fn
 
 
+_PARAMS: dict[int, Optional[frozenset]] = {}  # id(fn) -> keyword names it accepts (None: any)
+
+
 def _accepted(fn: Callable, kwargs: dict) -> dict:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return kwargs
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
+    """The keyword arguments ``fn`` names (all of them if it takes ``**kwargs``)."""
+    key = id(fn)
+    if key not in _PARAMS:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            params = None
+        if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
+            _PARAMS[key] = None
+        else:
+            _PARAMS[key] = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    names = _PARAMS[key]
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
 def call_per_sample(fn: Callable, s: Sample):
