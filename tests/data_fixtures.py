@@ -65,9 +65,9 @@ def write_saved_dataset(path: Path, n_train: int = 12, n_test: int = 4) -> Path:
     return path
 
 
-def make_chat_tokenizer(path: Path) -> Path:
-    """A word-level tokenizer trained offline on the fixture texts, with a ChatML template,
-    saved as a PreTrainedTokenizerFast (loads with AutoTokenizer.from_pretrained)."""
+def make_chat_tokenizer(path: Path, chat_template: bool = True) -> Path:
+    """A word-level tokenizer trained offline on the fixture texts, with a ChatML template (or
+    none), saved as a PreTrainedTokenizerFast (loads with AutoTokenizer.from_pretrained)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,6 +78,7 @@ def make_chat_tokenizer(path: Path) -> Path:
     tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                    eos_token="<|im_end|>", bos_token="<|im_start|>")
-    fast.chat_template = CHATML
+    if chat_template:
+        fast.chat_template = CHATML
     fast.save_pretrained(str(path))
     return path

@@ -96,12 +96,15 @@ def test_jsonl_and_parquet_task_names_are_aliases(tmp_path, rewards_module):
 
 
 def test_message_prompts_without_chat_template_name_the_row(tmp_path, rewards_module):
+    """A model directory whose tokenizer has no chat template (and the tiny model's character
+    tokenizer) cannot render message prompts: the error names the row and the fix."""
     path = write_trl_jsonl(tmp_path / "chat.jsonl", 4)
     task = make_dataset_task(task_cfg(path, rewards_module, num_val=0), seed=0)
-    with pytest.raises(ConfigError, match=r"chat\.jsonl row \d: the prompt is a list of chat messages, but the tiny "
-                                          r"model's character tokenizer has no chat template"):
-        encode_split(CharTokenizer("abc"), task.train, split="train", max_len=64, filter_overlong=False,
-                     chat_template=False)
+    plain = HFTokenizer(str(make_chat_tokenizer(tmp_path / "plain", chat_template=False)))
+    for tok, who in ((plain, "this tokenizer"), (CharTokenizer("abc"), "the tiny model's character tokenizer")):
+        with pytest.raises(ConfigError, match=rf"chat\.jsonl row \d: the prompt is a list of chat messages, but "
+                                              rf"{who} has no chat template.*model=smollm2-135m"):
+            encode_split(tok, task.train, split="train", max_len=64, filter_overlong=False, chat_template=False)
 
 
 @pytest.mark.parametrize("bad,match", [
