@@ -56,6 +56,9 @@ def not_a_number(prompt, response, answer):
 def wrong_length(prompts, completions, **kw):
     return [1.0]
 
+def needs_missing(prompt, response, answer, rubric):
+    return 1.0
+
 def is_exact(prompt, response, answer, **row):
     return response.strip() == str(answer)
 '''
@@ -180,6 +183,13 @@ def test_config_errors(mod):
         user_reward_specs(TaskConfig(name="dataset", reward_fn="rl:math_boxd"))
     with pytest.raises(ConfigError, match=r"no function `nope`"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:nope"))
+
+
+def test_parameter_no_column_provides_is_refused_at_load(tmp_path, mod):
+    path = write_trl_jsonl(tmp_path / "c.jsonl", 4)
+    with pytest.raises(ConfigError, match=r"needs rubric, which the dataset does not have \(columns: difficulty, "
+                                          r"solution\)"):
+        make_dataset_task(TaskConfig(name="dataset", path=str(path), reward_fn=f"{mod}:needs_missing"), seed=0)
 
 
 def test_builtin_verifiable_rewards():
