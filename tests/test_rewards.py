@@ -16,8 +16,7 @@ from engine.tasks.dataset import make_dataset_task
 from tests.data_fixtures import write_trl_jsonl, write_verl_parquet
 
 USER_REWARDS = '''
-
-SEEN = []
+import time
 
 def verl_score(prompt, response, answer, data_source, reward_model, extra_info, ground_truth):
     # verl's compute_score gets data_source, the ground truth and extra_info
