@@ -31,16 +31,24 @@ def render_config(loaded, json_out: bool) -> None:
 
 
 def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> None:
-    from rlcli.render.train import StepPrinter, plan_table, summary_table
+    from rlcli.render.train import PhaseDisplay, StepPrinter, plan_table, summary_chart, summary_table
 
-    from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
+    from engine.trainer.events import (PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunSummary, StepRecord,
+                                       Validation)
     from engine.trainer.trainer import train
 
-    out = err_console if json_out else console
-    printer = StepPrinter(out, cfg.trainer.log_freq)
+    out = err_console if json_out else console  # under --json only the summary JSON goes to stdout
+    printer = StepPrinter(out, cfg.trainer.log_freq, enabled="console" in cfg.trainer.loggers)
+    phases = PhaseDisplay(out)
 
     def on_event(e) -> None:
-        if isinstance(e, RunPlan):
+        if isinstance(e, PhaseStarted):
+            phases.started(e)
+        elif isinstance(e, PhaseProgress):
+            phases.update(e)
+        elif isinstance(e, PhaseFinished):
+            phases.finished(e)
+        elif isinstance(e, RunPlan):
             out.print(plan_table(e))
         elif isinstance(e, StepRecord):
             printer.step(e)
@@ -48,12 +56,18 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> N
             printer.validation(e)
         elif isinstance(e, RunSummary):
             out.print(summary_table(e))
+            chart = summary_chart(e.run_dir, out)
+            if chart is not None:
+                out.print(chart)
 
     # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        summary = call_engine(train, cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
-                              on_event=on_event, resume=resume)
+        try:
+            summary = call_engine(train, cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
+                                  on_event=on_event, resume=resume)
+        finally:
+            phases.close()
     except KeyboardInterrupt:
         import typer
 

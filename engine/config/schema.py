@@ -31,6 +31,12 @@ class TrainerConfig:
     ray_address: str = _f("", "Ray cluster to join (ray.init(address=...)); empty starts a local one on 127.0.0.1")
     ray_timeout_s: float = _f(600.0, "seconds any single Ray call may take before the run is aborted", min=1.0)
     threads_per_rank: int = _f(0, "torch intra-op threads per rank; 0 = CPU cores divided by nprocs", min=0)
+    loggers: list = _f(["console", "jsonl"], "where metrics go: any of console, jsonl (metrics.jsonl), tensorboard, "
+                       "wandb, mlflow (the last three need `pip install 'rl[tracking]'`)")
+    project: str = _f("rl", "wandb project / MLflow experiment name the run is logged under")
+    sample_log_freq: int = _f(10, "every N steps, log sample prompt/response/reward rows (samples.jsonl and "
+                              "each logger); 0 = off", min=0)
+    sample_log_n: int = _f(4, "how many prompt/response/reward rows each sample log holds", min=1)
 
 
 @dataclass

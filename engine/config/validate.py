@@ -173,6 +173,9 @@ def check_cross_field(cfg: RunConfig) -> None:
     if cfg.algorithm.clip_ratio_low >= 1.0:
         raise ConfigError("`algorithm.clip_ratio_low` must be < 1 (the lower clip bound is 1 - clip_ratio_low).",
                           title="invalid config value")
+    from engine.tracking.registry import check_loggers
+
+    check_loggers(cfg.trainer.loggers)
     e = cfg.engine
     from engine.batching.validate import validate_run_padding
 

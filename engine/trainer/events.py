@@ -52,14 +52,28 @@ class StepRecord:
     val_accuracy: float | None = None
     val_reward: float | None = None
     checkpoint: str | None = None
+    # added with trainer.loggers (docs/tracking.md); None in rows written before them
+    clip_frac: float | None = None          # fraction of response tokens where the PPO clip was active
+    rollout_kl: float | None = None         # KL(rollout sampler || trainer) on the sampled tokens (k3)
+    adv_mean: float | None = None           # per-sequence advantages
+    adv_std: float | None = None
+    adv_min: float | None = None
+    adv_max: float | None = None
+    response_len_min: int | None = None
+    response_len_max: int | None = None
+    response_clip_frac: float | None = None  # responses cut at rollout.max_new_tokens (no EOS)
+    samples_per_s: float | None = None      # responses per second of step time
+    mem_peaks: dict = field(default_factory=dict)   # category/rss -> max bytes over ranks and phases
     memory: list = field(default_factory=list)      # per-rank, per-phase memory records
     algo: dict = field(default_factory=dict)        # estimator extras (dynamic sampling, overlong penalty, ...)
     reward_fns: dict = field(default_factory=dict)  # several reward functions: each one's mean (unweighted)
     reward_failures: int = 0                        # reward calls that raised/hung, scored 0 (reward_on_error=zero)
+    samples: list = field(default_factory=list)     # SampleRow dicts (only on sample-logging steps)
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.pop("memory")  # written to memory.jsonl, not metrics.jsonl
+        d.pop("memory")   # written to memory.jsonl, not metrics.jsonl
+        d.pop("samples")  # written to samples.jsonl
         return d
 
 
@@ -89,6 +103,7 @@ class RunSummary:
     checkpoints: list[str]
     val_before: float | None = None
     val_after: float | None = None
+    tracking: dict = field(default_factory=dict)   # loggers used and the seconds they took
 
     @property
     def improvement(self) -> float:
@@ -96,3 +111,34 @@ class RunSummary:
 
     def to_json(self) -> dict:
         return asdict(self) | {"improvement": self.improvement}
+
+
+@dataclass
+class Samples:
+    """Prompt/response/reward rows of one step (trainer.sample_log_freq), for samples.jsonl and loggers."""
+    step: int
+    rows: list      # {"step", "prompt", "response", "reward", "advantage", "answer"}
+
+
+@dataclass
+class PhaseStarted:
+    """A long phase began (the CLI shows a progress line until PhaseFinished)."""
+    phase: str                       # load_model | load_checkpoint | save_checkpoint | validation
+    label: str                       # what to show, e.g. "save checkpoint step_20"
+    total_bytes: int | None = None   # known size (checkpoint load, model files), else None
+    step: int | None = None
+
+
+@dataclass
+class PhaseProgress:
+    phase: str
+    done_bytes: int
+
+
+@dataclass
+class PhaseFinished:
+    phase: str
+    label: str
+    seconds: float
+    bytes: int | None = None
+    step: int | None = None

@@ -4,6 +4,7 @@ shut down on exit and on Ctrl-C. Every remote call goes through ``get`` with a t
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 
 from engine.errors import UserError
@@ -20,6 +21,8 @@ def ray_cluster(address: str, num_cpus: int):
     import ray
 
     started = False
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # worker lines to a pipe or log: no ANSI colours
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if not ray.is_initialized():
         kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
                       configure_logging=True)

@@ -19,10 +19,14 @@ import torch
 from engine.algorithms.dynamic_sampling import Rollout
 from engine.algorithms.estimators import compute_advantages
 from engine.batch import SequenceBatch
-from engine.checkpoint.layout import step_dir_name
+from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
+from engine.checkpoint.load import truncate_jsonl
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.rewards.compute import RewardError, samples_of
+from engine.tracking.fanout import Tracking
+from engine.tracking.progress import phase, tree_bytes
+from engine.tracking.samples import SAMPLES_FILE, is_sample_step, pick_rows
 from engine.trainer.data import PromptStream
 from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
@@ -31,69 +35,96 @@ from engine.trainer.setup import RunInputs, prepare_inputs
 
 def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
           on_event: Callable[[object], None] = lambda e: None, resume=None) -> RunSummary:
-    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan)."""
+    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan).
+
+    Every event goes to ``on_event`` (the CLI) and, for what is logged, to the configured
+    loggers (engine/tracking/): metrics.jsonl, samples.jsonl, TensorBoard, wandb, MLflow."""
     t_start = time.perf_counter()
     from engine.device import check_device_config
 
     check_device_config(cfg)  # CUDA / FP8 hardware, before anything is created
     inputs = prepare_inputs(cfg)  # task, tokenizer, encoded prompts, model path
     rdir = RunDir(run_dir)
+    tracking = None
     if resume is None:
         rdir.create(cfg, overrides or [], overwrite=cfg.checkpoint.overwrite)
     write_dataset_record(rdir.path, inputs.task.data_info)  # `rl resume` refuses changed data
+    logged_through = last_logged_step(run_dir) if resume is not None else -1  # before resume truncates
     stream = PromptStream(len(inputs.train_prompts), cfg.trainer.seed, cfg.data.shuffle)
     start_step = 0
+
+    def emit(e) -> None:  # logged events: loggers first, then the CLI
+        tracking.on_event(e)
+        on_event(e)
 
     from engine.trainer.ray_cluster import ray_cluster
     from engine.trainer.worker_group import WorkerGroup
 
-    with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1):
-        workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab)
-        try:
-            if resume is not None:
-                start_step = resume.apply(workers, stream)
-            on_event(_plan(cfg, inputs, workers, start_step, changed or {}, run_dir))
-            records: list[StepRecord] = []
-            val_before = val_after = None
-            if cfg.trainer.val_freq and start_step == 0:
-                v = validate(cfg, inputs, workers, start_step)
-                val_before = v.accuracy if v.accuracy is not None else v.reward
-                rdir.append_validation(v)
-                on_event(v)
-            checkpoints = []
-            for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-                rec = rl_step(cfg, inputs, workers, stream, step)
-                last = step == cfg.trainer.total_steps
-                if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
-                    v = validate(cfg, inputs, workers, step)
-                    rec.val_accuracy, rec.val_reward = v.accuracy, v.reward
+    failed = True
+    try:
+        if resume is None:
+            tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
+        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1):
+            with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
+                workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab)
+            try:
+                if resume is not None:
+                    step_dir = Path(resume.step_dir)
+                    with phase(on_event, "load_checkpoint", f"load checkpoint {step_dir.name}",
+                               total_bytes=tree_bytes(step_dir)):
+                        start_step = resume.apply(workers, stream)
+                    truncate_jsonl(Path(run_dir) / SAMPLES_FILE, start_step)
+                    tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
+                on_event(_plan(cfg, inputs, workers, start_step, changed or {}, run_dir))
+                records: list[StepRecord] = []
+                val_before = val_after = None
+                if cfg.trainer.val_freq and start_step == 0:
+                    v = _validate_phase(cfg, inputs, workers, start_step, emit)
+                    val_before = v.accuracy if v.accuracy is not None else v.reward
                     rdir.append_validation(v)
-                    val_after = v.accuracy if v.accuracy is not None else v.reward
-                saving = bool(cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
-                    (last and cfg.checkpoint.save_final)
-                if saving:
-                    rec.checkpoint = str(rdir.path / step_dir_name(step))
-                # the step's rows go to disk before its checkpoint: a kill between the two can
-                # only leave rows that resume truncates, never a checkpoint without its rows
-                rdir.append_metrics(rec)
-                rdir.append_memory(rec.memory)
-                if saving:
-                    workers.onload(step)  # checkpoints read the live params and optimizer state
-                    rdir.save(cfg, workers, step, stream)
-                    checkpoints.append(rec.checkpoint)
-                records.append(rec)
-                on_event(rec)
-        except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
-            raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
-        finally:
-            inputs.rewards.close()
-            workers.shutdown()
+                    emit(v)
+                checkpoints = []
+                for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+                    rec = rl_step(cfg, inputs, workers, stream, step)
+                    last = step == cfg.trainer.total_steps
+                    if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
+                        v = _validate_phase(cfg, inputs, workers, step, emit)
+                        rec.val_accuracy, rec.val_reward = v.accuracy, v.reward
+                        rdir.append_validation(v)
+                        tracking.on_event(v)  # the CLI shows it in the step's row
+                        val_after = v.accuracy if v.accuracy is not None else v.reward
+                    saving = bool(cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
+                        (last and cfg.checkpoint.save_final)
+                    if saving:
+                        rec.checkpoint = str(rdir.path / step_dir_name(step))
+                    # the step's rows go to disk before its checkpoint: a kill between the two can
+                    # only leave rows that resume truncates, never a checkpoint without its rows
+                    tracking.on_event(rec)  # metrics.jsonl, samples.jsonl, loggers
+                    rdir.append_memory(rec.memory)
+                    on_event(rec)
+                    if saving:
+                        workers.onload(step)  # checkpoints read the live params and optimizer state
+                        tmp, final = rdir.path / f"{TMP_PREFIX}{step}", rdir.path / step_dir_name(step)
+                        with phase(emit, "save_checkpoint", f"save checkpoint {final}", step=step,
+                                   poll=lambda: tree_bytes(tmp if tmp.exists() else final)):
+                            rdir.save(cfg, workers, step, stream)
+                        checkpoints.append(rec.checkpoint)
+                    records.append(rec)
+            except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
+                raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
+            finally:
+                inputs.rewards.close()
+                workers.shutdown()
+        failed = False
+    finally:
+        if tracking is not None:
+            tracking.close(failed=failed)
     rewards = [r.reward_mean for r in records]
     summary = RunSummary(
         steps_run=len(records), first_step=start_step + 1, last_step=start_step + len(records),
         reward_first10=_mean(rewards[:10]), reward_last10=_mean(rewards[-10:]),
         wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
-        checkpoints=checkpoints, val_before=val_before, val_after=val_after)
+        checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats())
     on_event(summary)
     return summary
 
@@ -173,6 +204,12 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
     if sampling is not None:
         algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
+    lengths = batch.response_mask.sum(-1)
+    step_time = time.perf_counter() - t0
+    adv_tokens = batch.advantages[batch.response_mask > 0]
+    samples = []
+    if is_sample_step(step, cfg.trainer.sample_log_freq):
+        samples = sample_rows(cfg, inputs, ro, step)
     return StepRecord(
         step=step, reward_mean=float(rewards.mean()), accuracy=correct, kl=per_update.get("kl"),
         pg_loss=per_update.get("pg_loss", 0.0), entropy=per_update.get("entropy"),
@@ -180,11 +217,19 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         response_len_mean=resp_tokens / len(batch),
         rollout_tokens_per_s=resp_tokens / max(timing["rollout"], 1e-9),
         update_tokens_per_s=tokens / max(timing["update"], 1e-9),
-        step_time_s=time.perf_counter() - t0, peak_mem_bytes=int(peak),
+        step_time_s=step_time, peak_mem_bytes=int(peak),
         pad_fraction=(padded - tokens) / padded if padded else 0.0, distinct_shapes=len(shapes),
         micro_batch_shapes=[list(s) for s in sorted(shapes)],
         timing=timing, memory=memory, algo=algo, reward_fns=_fn_means(scores) if len(scores[0].per_fn) > 1 else {},
-        reward_failures=sum(len(sc.failures) for sc in scores))
+        reward_failures=sum(len(sc.failures) for sc in scores),
+        clip_frac=per_update.get("clip_frac"), rollout_kl=per_update.get("rollout_kl"),
+        adv_mean=float(adv_tokens.mean()) if adv_tokens.numel() else 0.0,
+        adv_std=float(adv_tokens.std()) if adv_tokens.numel() > 1 else 0.0,
+        adv_min=float(adv_tokens.min()) if adv_tokens.numel() else 0.0,
+        adv_max=float(adv_tokens.max()) if adv_tokens.numel() else 0.0,
+        response_len_min=int(lengths.min()), response_len_max=int(lengths.max()),
+        response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["eos"]),
+        samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples)
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,
@@ -209,6 +254,79 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     correct = scored.correct
     timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
     return Rollout(batch, rewards, correct, examples)
+
+
+def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> float:
+    """Fraction of responses cut at max_new_tokens: that long, and not ending with EOS."""
+    mask = batch.response_mask
+    lengths = mask.sum(-1)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = (positions * (mask > 0)).argmax(-1, keepdim=True)
+    last_token = batch.input_ids.gather(1, last).squeeze(1)
+    cut = (lengths >= max_new_tokens) & (last_token != eos)
+    return float(cut.float().mean()) if len(lengths) else 0.0
+
+
+def memory_peaks(records: list) -> dict:
+    """Largest bytes per category (and process RSS / device peaks) over every rank and phase."""
+    out: dict[str, int] = {}
+    for r in records:
+        for k, v in (r.get("categories") or {}).items():
+            if v:
+                out[f"{k}_bytes"] = max(out.get(f"{k}_bytes", 0), int(v))
+        for k in ("peak_rss", "peak_allocated", "peak_reserved"):
+            if r.get(k):
+                out[f"{k}_bytes"] = max(out.get(f"{k}_bytes", 0), int(r[k]))
+    return out
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """Highest step metrics.jsonl holds (-1 if none): what a previous segment already logged."""
+    p = Path(run_dir) / "metrics.jsonl"
+    last = -1
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line).get("step", -1)))
+            except (ValueError, AttributeError):
+                continue
+    return last
+
+
+def _validate_phase(cfg: RunConfig, inputs: RunInputs, workers, step: int, emit) -> Validation:
+    with phase(emit, "validation", f"validation at step {step} ({len(inputs.val_prompts)} held-out prompts)",
+               step=step):
+        return validate(cfg, inputs, workers, step)
+
+
+def _load_label(cfg: RunConfig, inputs: RunInputs) -> str:
+    n = cfg.trainer.nprocs
+    what = f"load {inputs.model_path}" if inputs.model_path else f"build the {cfg.model.preset} model"
+    if cfg.engine.name == "megatron" and inputs.model_path:
+        what += " (convert to megatron)"
+    if cfg.rollout.name == "vllm":
+        what += ", start vLLM"
+    return f"start {n} rank{'s' if n > 1 else ''}: {what}"
+
+
+def _model_bytes(model_path: str) -> int | None:
+    if not model_path or not Path(model_path).is_dir():
+        return None
+    return sum(p.stat().st_size for p in Path(model_path).iterdir()
+               if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file()) or None
+
+def sample_rows(cfg: RunConfig, inputs: RunInputs, ro, step: int) -> list[dict]:
+    """trainer.sample_log_n prompt/response/reward rows of this step (only those rows are decoded)."""
+    n = cfg.algorithm.rollout_n
+    batch = ro.batch
+    mask = batch.response_mask
+    seq_adv = ((batch.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+    rows = pick_rows(step, cfg.trainer.sample_log_n, [e.prompt for e in ro.examples], list(range(len(batch))),
+                     ro.rewards.tolist(), seq_adv, [e.answer for e in ro.examples], n)
+    texts = decode_responses(inputs.tokenizer, batch.select([r["response"] for r in rows]))
+    for r, text in zip(rows, texts):
+        r["response"] = text
+    return rows
 
 
 def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validation:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 STEP_COLUMNS = [  # header, width, getter
     ("step", 5, lambda r: f"{r.step}"),
@@ -60,11 +62,12 @@ def plan_table(plan) -> Table:
 class StepPrinter:
     """Prints one aligned row per step (works in terminals and in logs/pipes)."""
 
-    def __init__(self, console: Console, log_freq: int = 1):
+    def __init__(self, console: Console, log_freq: int = 1, enabled: bool = True):
         # rows need ~124 columns; logs and pipes default to 80, so widen rather than squeeze
         self.console = Console(file=console.file, width=max(console.width, 124), highlight=False,
                                force_terminal=console.is_terminal, no_color=console.no_color)
         self.log_freq = log_freq
+        self.enabled = enabled  # "console" in trainer.loggers
         self.rows = 0
 
     def _table(self, header: bool) -> Table:
@@ -74,14 +77,14 @@ class StepPrinter:
         return t
 
     def step(self, rec) -> None:
+        if not self.enabled:
+            return
         if rec.step % self.log_freq and rec.checkpoint is None and rec.val_accuracy is None:
             return
         t = self._table(header=self.rows % 25 == 0)
         t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
         self.console.print(t)
         self.rows += 1
-        if rec.checkpoint:
-            self.console.print(f"  [dim]saved {rec.checkpoint}[/]")
 
     def validation(self, v) -> None:
         acc = "-" if v.accuracy is None else f"{v.accuracy:.3f}"
@@ -106,3 +109,82 @@ def summary_table(s) -> Table:
 
 def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+class PhaseDisplay:
+    """Long phases (model load, checkpoint save/load, validation): a live spinner with bytes and
+    elapsed time on a terminal; on a pipe or log, one plain line when each phase ends."""
+
+    DONE_VERB = {"load_model": "ready", "load_checkpoint": "loaded", "save_checkpoint": "saved",
+                 "validation": "done"}
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.live = console.is_terminal
+        self.progress: Progress | None = None
+        self.tasks: dict[str, tuple] = {}   # phase -> (task id, label, total bytes)
+
+    def started(self, e) -> None:
+        if not self.live:
+            return
+        if self.progress is None:
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                     console=self.console, transient=True)
+            self.progress.start()
+        label = e.label + (f" ({human_bytes(e.total_bytes)})" if e.total_bytes else "")
+        self.tasks[e.phase] = (self.progress.add_task(label, total=None), e.label, e.total_bytes)
+
+    def update(self, e) -> None:
+        if self.progress is None or e.phase not in self.tasks:
+            return
+        task, label, _ = self.tasks[e.phase]
+        self.progress.update(task, description=f"{label}: {human_bytes(e.done_bytes)} written")
+
+    def finished(self, e) -> None:
+        if self.progress is not None and e.phase in self.tasks:
+            task, _, _ = self.tasks.pop(e.phase)
+            self.progress.remove_task(task)
+            if not self.tasks:
+                self.progress.stop()
+                self.progress = None
+        if e.phase == "validation":
+            return  # its result is printed on its own line / in the step row
+        size = f", {human_bytes(e.bytes)}" if e.bytes else ""
+        what = e.label.removeprefix("save checkpoint ") if e.phase == "save_checkpoint" else e.label
+        self.console.print(Text(f"  {self.DONE_VERB.get(e.phase, 'done')}: {what} ({e.seconds:.1f} s{size})",
+                                style="dim"))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def summary_chart(run_dir: str, console: Console) -> Text | None:
+    """The reward curve (and the validation curve when the run validated) under the summary."""
+    from engine.errors import UserError
+    from engine.tracking.series import load_series
+
+    try:
+        series = [load_series(run_dir, "train/reward")]
+    except UserError:
+        return None  # no metrics.jsonl (trainer.loggers without jsonl)
+    charts = []
+    from rlcli.render.plot import terminal_chart
+
+    width = min(max(console.width, 40), 100)
+    color = console.is_terminal and not console.no_color
+    try:
+        charts.append(terminal_chart(series, "train/reward", width=width, height=12, color=color))
+        for name in ("val/accuracy", "val/reward"):
+            try:
+                val = load_series(run_dir, name)
+            except UserError:
+                continue
+            if len(val.steps) > 1:
+                charts.append(terminal_chart([val], name, width=width, height=10, color=color))
+            break
+    except UserError:
+        return None  # plotext not installed: the table alone
+    text = "\n".join(charts)
+    return Text.from_ansi(text) if color else Text(text)

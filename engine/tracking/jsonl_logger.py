@@ -1,0 +1,21 @@
+"""``metrics.jsonl``: one row per step (``StepRecord.to_json()``), the run's own record that
+`rl resume` truncates and `rl plot` reads. Written in the trainer's thread, before the step's
+checkpoint, so a kill between the two never leaves a checkpoint without its row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class JsonlLogger:
+    name = "jsonl"
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS_FILE
+
+    def write_step(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")

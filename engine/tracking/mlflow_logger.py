@@ -1,0 +1,82 @@
+"""MLflow through ``MlflowClient``: the server or store named by ``MLFLOW_TRACKING_URI`` when
+set, else a SQLite store inside the run directory (``<run_dir>/mlflow.db``, artifacts under
+``<run_dir>/mlartifacts/``). MLflow 3 refuses its old ``./mlruns`` file store by default; a
+SQLite file is its recommended local store and needs no server.
+
+The run id is kept in tracking.json, so `rl resume` continues the same MLflow run. MLflow
+metric histories only grow: steps a previous segment already logged are not sent again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from engine.tracking.base import Logger, LoggerContext
+from engine.tracking.state import read_state, update_state
+
+DB_FILE = "mlflow.db"
+ARTIFACT_DIR = "mlartifacts"
+
+
+def tracking_uri(run_dir: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path(run_dir) / DB_FILE).resolve()}"
+
+
+def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out |= flat_params(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = str(v)[:6000]
+    return out
+
+
+class MlflowLogger(Logger):
+    name = "mlflow"
+
+    def __init__(self, ctx: LoggerContext):
+        for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+            logging.getLogger(name).setLevel(logging.WARNING)
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, Param
+
+        self._Metric = Metric
+        self.uri = tracking_uri(ctx.run_dir)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.skip_through = ctx.logged_through
+        state = read_state(ctx.run_dir)
+        run_id = state.get("mlflow_run_id") if state.get("mlflow_tracking_uri") == self.uri else None
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            exp = self.client.get_experiment_by_name(ctx.project)
+            if exp is not None:
+                exp_id = exp.experiment_id
+            elif os.environ.get("MLFLOW_TRACKING_URI"):
+                exp_id = self.client.create_experiment(ctx.project)
+            else:
+                exp_id = self.client.create_experiment(
+                    ctx.project, artifact_location=(ctx.run_dir / ARTIFACT_DIR).resolve().as_uri())
+            run = self.client.create_run(exp_id, run_name=ctx.run_name, tags={"rl.run_dir": str(ctx.run_dir)})
+            run_id = run.info.run_id
+            params = [Param(k, v) for k, v in flat_params(ctx.config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(run_id, params=params[i:i + 100])
+            update_state(ctx.run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=self.uri,
+                         mlflow_experiment_id=exp_id)
+        self.run_id = run_id
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if step > self.skip_through:
+            now = int(time.time() * 1000)
+            self.client.log_batch(self.run_id, metrics=[self._Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        if step > self.skip_through:
+            self.client.log_dict(self.run_id, rows, f"samples/step_{step:06d}.json")
+
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")

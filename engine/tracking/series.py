@@ -1,0 +1,91 @@
+"""Metric series read back from run directories, for `rl plot` and the end-of-run chart.
+
+``train/``, ``perf/``, ``mem/`` metrics come from metrics.jsonl, ``val/`` metrics from
+validation.jsonl (which includes the step-0 "before" validation). When a step appears more
+than once (rows of an abandoned segment before a resume), its last row wins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.checkpoint.layout import STEP_RE
+from engine.errors import UserError
+from engine.tracking.names import resolve_metric, step_metrics, validation_metrics
+
+METRICS_FILE = "metrics.jsonl"
+VALIDATION_FILE = "validation.jsonl"
+
+
+@dataclass
+class Series:
+    run: str            # the run directory as given
+    metric: str         # logged name, e.g. train/reward
+    steps: list[int]
+    values: list[float]
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"points": len(self.steps)}
+
+
+def run_root(path: Path) -> Path:
+    """A run directory, one of its step_N checkpoints, or its metrics.jsonl -> the run directory."""
+    p = Path(path)
+    if p.is_file() and p.name in (METRICS_FILE, VALIDATION_FILE):
+        return p.parent
+    if STEP_RE.match(p.name) and p.is_dir():
+        return p.parent
+    return p
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a half-written last line of a killed run
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.append(row)
+    return out
+
+
+def run_metrics(path: Path) -> dict[int, dict[str, float]]:
+    """step -> every logged metric of that step (train/perf/mem from metrics.jsonl, val/ from validation.jsonl)."""
+    root = run_root(path)
+    if not root.exists():
+        raise UserError(f"{path} does not exist. Pass run directories (the checkpoint.dir of a run, e.g. "
+                        f"`rl plot ckpt/`).", title="no run")
+    metrics_rows, val_rows = _rows(root / METRICS_FILE), _rows(root / VALIDATION_FILE)
+    if not metrics_rows and not val_rows:
+        hint = (" The run was started with trainer.loggers without jsonl, so it kept no metrics.jsonl."
+                if (root / "run.json").exists() else " It is not an rl run directory.")
+        raise UserError(f"{path} has no metrics to plot (no rows in {root / METRICS_FILE}).{hint}",
+                        title="no metrics")
+    by_step: dict[int, dict[str, float]] = {}
+    for row in metrics_rows:
+        by_step[row["step"]] = step_metrics(row)
+    for row in val_rows:
+        by_step.setdefault(row["step"], {}).update(validation_metrics(row.get("accuracy"), row.get("reward", 0.0)))
+    return by_step
+
+
+def load_series(path: Path, metric: str) -> Series:
+    name = resolve_metric(metric)
+    by_step = run_metrics(path)
+    steps = sorted(s for s, m in by_step.items() if name in m)
+    if not steps:
+        from engine.config.validate import suggest
+
+        known = sorted({k for m in by_step.values() for k in m})
+        raise UserError(f"{path} has no metric `{metric}`.{suggest(name, known)} Its metrics: {', '.join(known)}.",
+                        title="unknown metric")
+    return Series(str(path), name, steps, [by_step[s][name] for s in steps])
+
+
+def available_metrics(path: Path) -> list[str]:
+    return sorted({k for m in run_metrics(path).values() for k in m})

@@ -1,0 +1,42 @@
+"""TensorBoard: event files under ``<run_dir>/tensorboard/`` through torch's SummaryWriter.
+
+On `rl resume` from step k the writer opens with ``purge_step=k+1``: TensorBoard discards
+every event a previous segment wrote at steps > k, so each step appears exactly once."""
+
+from __future__ import annotations
+
+from engine.tracking.base import SAMPLE_COLUMNS, Logger, LoggerContext
+
+LOG_SUBDIR = "tensorboard"
+
+
+class TensorBoardLogger(Logger):
+    name = "tensorboard"
+
+    def __init__(self, ctx: LoggerContext):
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = ctx.resume_step + 1 if ctx.resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(ctx.run_dir / LOG_SUBDIR), purge_step=purge, flush_secs=30)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, global_step=step)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        self.writer.add_text("samples", markdown_table(rows), global_step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """TensorBoard's text plugin renders markdown: one row per sample."""
+    cols = [c for c in SAMPLE_COLUMNS if c != "step"]
+
+    def cell(v) -> str:
+        s = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return s.replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

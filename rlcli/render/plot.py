@@ -1,0 +1,93 @@
+"""Charts of metric series: in the terminal through plotext, as a PNG through matplotlib.
+
+Both libraries are imported inside the functions (the `tracking` extra); a missing one is a
+UserError naming the extra."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+EXTRA = "pip install 'rl[tracking]'"
+
+
+def _need(module: str):
+    import importlib
+
+    from engine.errors import UserError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"Plotting needs the `{module.split('.')[0]}` package, which is not installed. Install "
+                        f"the tracking extra: `{EXTRA}`.", title="missing package") from None
+
+
+def label_of(series, all_series) -> str:
+    """Run label: the run directory, shortened to its last parts when that stays unique."""
+    names = [Path(s.run).resolve() for s in all_series]
+    for depth in (1, 2, 3):
+        short = ["/".join(p.parts[-depth:]) for p in names]
+        if len(set(short)) == len(short):
+            return short[all_series.index(series)]
+    return series.run
+
+
+def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 16, color: bool = True) -> str:
+    """A line per series, drawn by plotext; ANSI colours only when ``color``."""
+    plt = _need("plotext")
+    fig = plt.figure
+    fig.clear()
+    fig.plot_size(width, height)
+    fig.theme("dark" if color else "colorless")
+    for s in series:
+        sig = fig.signal(s.steps, s.values)
+        sig.lines()
+        if len(series) > 1 or s.metric != title:
+            sig.label(label_of(s, series) if len(series) > 1 else s.metric)
+        fig.draw(sig)
+    fig.title(title)
+    fig.label("step", axis="x")
+    return fig.build().string(colorless=not color)
+
+
+def png_chart(series: list, title: str, out: Path) -> Path:
+    """Write a PNG (atomically: temp file + rename) with one line per series; returns its path."""
+    matplotlib = _need("matplotlib")
+    matplotlib.use("Agg", force=True)
+    fig = png_figure(series, title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=120)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return out
+
+
+def png_figure(series: list, title: str):
+    _need("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for s in series:
+        ax.plot(s.steps, s.values, marker="." if len(s.steps) < 60 else None,
+                label=label_of(s, series) if len(series) > 1 else s.metric)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(series[0].metric if series else "")
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    return fig
