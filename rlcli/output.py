@@ -25,7 +25,10 @@ def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     """Print a one-paragraph error to stderr and exit (no traceback)."""
     import typer
 
-    err_console.print(Panel(message, title=f"[bold red]{title}[/]", title_align="left",
+    from rich.markup import escape
+
+    # messages are plain text: "rl[tracking]" or "[console,jsonl]" must not be read as markup
+    err_console.print(Panel(escape(message), title=f"[bold red]{title}[/]", title_align="left",
                             border_style="red", expand=False))
     raise typer.Exit(exit_code)
 

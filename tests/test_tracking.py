@@ -150,12 +150,19 @@ def test_a_failing_logger_is_reported_as_a_user_error(tmp_path, monkeypatch):
 
 # ---- the real thing: rl train + two resumes, every logger on -------------------------------
 def _tb_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars through tensorboard's EventAccumulator; the samples text through the plugin
+    EventAccumulator that the TensorBoard server itself uses (the legacy one does not purge
+    tensor events on a restart)."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    ea = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
     ea.Reload()
     out = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
-    out["samples"] = [(e.step, 0.0) for e in ea.Tensors("samples/text_summary")]
+    pea = plugin_event_accumulator.EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    pea.Reload()
+    out["samples"] = [(e.step, 0.0) for e in pea.Tensors("samples/text_summary")]
+    out["plugin/train/reward"] = [(e.step, 0.0) for e in pea.Tensors("train/reward")]
     return out
 
 
@@ -200,6 +207,7 @@ def test_loggers_write_every_step_once_across_resumes(tmp_path):
     assert [s for s, _ in tb["val/reward"]] == [0, 2, 4, 6]
     assert [s for s, _ in tb["perf/time/save_checkpoint"]] == [2, 4, 6]
     assert [s for s, _ in tb["samples"]] == [2, 4, 6]
+    assert [s for s, _ in tb["plugin/train/reward"]] == [1, 2, 3, 4, 5, 6]
 
     # wandb (offline): one run id; every step's history row exactly once over all segments
     files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))

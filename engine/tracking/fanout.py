@@ -102,7 +102,26 @@ class Tracking:
 
     def stats(self) -> dict:
         return {"tracking_sync_s": self.sync_s, "tracking_background_s": self.background_s,
-                "loggers": list(self.background) + (["jsonl"] if self.jsonl else [])}
+                "loggers": (["jsonl"] if self.jsonl else []) + list(self.background), "where": self.where()}
+
+    def where(self) -> dict[str, str]:
+        """Where each logger wrote, for the summary."""
+        out = {}
+        if self.jsonl is not None:
+            out["jsonl"] = str(self.jsonl.path)
+        for name in self.background:
+            if name == "tensorboard":
+                from engine.tracking.tensorboard_logger import LOG_SUBDIR
+                out[name] = f"{self.run_dir / LOG_SUBDIR}  (tensorboard --logdir {self.run_dir / LOG_SUBDIR})"
+            elif name == "wandb":
+                from engine.tracking.wandb_logger import wandb_mode
+                mode = wandb_mode()
+                out[name] = f"{mode}, {self.run_dir / 'wandb'}" + (
+                    f"  (upload: wandb sync {self.run_dir / 'wandb'}/offline-run-*)" if mode == "offline" else "")
+            elif name == "mlflow":
+                from engine.tracking.mlflow_logger import tracking_uri
+                out[name] = f"{tracking_uri(self.run_dir)}  (mlflow ui --backend-store-uri {tracking_uri(self.run_dir)})"
+        return out
 
     def _put(self, kind: str, step: int, payload) -> None:
         if self._thread is not None:

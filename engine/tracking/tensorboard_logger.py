@@ -1,7 +1,8 @@
 """TensorBoard: event files under ``<run_dir>/tensorboard/`` through torch's SummaryWriter.
 
 On `rl resume` from step k the writer opens with ``purge_step=k+1``: TensorBoard discards
-every event a previous segment wrote at steps > k, so each step appears exactly once."""
+every event a previous segment wrote at steps > k, so each step appears exactly once. (A new
+run opens with ``purge_step=0`` so that its START marker is the one later segments restart from.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ class TensorBoardLogger(Logger):
     def __init__(self, ctx: LoggerContext):
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = ctx.resume_step + 1 if ctx.resume_step is not None else None
+        # every segment starts with a SessionLog.START at its purge step; TensorBoard treats the
+        # first START as the run's start and each later one as a restart that drops steps >= it
+        purge = ctx.resume_step + 1 if ctx.resume_step is not None else 0
         self.writer = SummaryWriter(log_dir=str(ctx.run_dir / LOG_SUBDIR), purge_step=purge, flush_secs=30)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:

@@ -103,6 +103,9 @@ def summary_table(s) -> Table:
         t.add_row("held-out, before -> after", f"{_f(s.val_before)} -> {_f(s.val_after)}")
     t.add_row("wall time", f"{s.wall_time_s:.1f} s")
     t.add_row("metrics", s.metrics_path)
+    for name, where in (s.tracking or {}).get("where", {}).items():
+        if name != "jsonl":
+            t.add_row(name, where)
     t.add_row("checkpoints", "\n".join(s.checkpoints) if s.checkpoints else "none")
     return t
 

@@ -1,0 +1,136 @@
+"""`rl plot`: one or several runs from their metrics files, in the terminal (plotext), as a PNG
+(matplotlib) and as JSON series; right number of points per run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.tracking.jsonl_logger import JsonlLogger
+from engine.trainer.events import StepRecord, Validation
+
+
+def rl(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.replace("│", " ").split())
+
+
+def make_run(root: Path, steps: list[int], val_steps: list[int] = ()) -> Path:
+    """A run directory written by the trainer's own writers (metrics.jsonl, validation.jsonl)."""
+    root.mkdir(parents=True)
+    (root / "run.json").write_text("{}")
+    log = JsonlLogger(root)
+    for s in steps:
+        rec = StepRecord(step=s, reward_mean=s / 100, accuracy=None, kl=None, pg_loss=0.0, entropy=None,
+                         grad_norm=1.0, lr=1e-3, response_len_mean=4.0, rollout_tokens_per_s=1.0,
+                         update_tokens_per_s=1.0, step_time_s=0.1 * s, peak_mem_bytes=1, pad_fraction=0.0,
+                         distinct_shapes=1, timing={"rollout": 0.05})
+        log.write_step(rec.to_json())
+    with open(root / "validation.jsonl", "a") as f:
+        for s in val_steps:
+            f.write(json.dumps(Validation(s, s / 10, s / 20).to_json()) + "\n")
+    return root
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a = make_run(tmp_path / "a" / "ckpt", list(range(1, 6)), [0, 5])
+    b = make_run(tmp_path / "b" / "ckpt", list(range(1, 9)))
+    return a, b
+
+
+def test_json_series_have_one_point_per_step_per_run(runs):
+    a, b = runs
+    r = rl("plot", str(a), str(b), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["metric"] == "train/reward"
+    assert [x["points"] for x in out["runs"]] == [5, 8]
+    assert out["runs"][1]["steps"] == list(range(1, 9))
+    assert out["runs"][0]["values"] == pytest.approx([s / 100 for s in range(1, 6)])
+
+
+def test_validation_and_perf_metrics_and_aliases(runs):
+    a, _ = runs
+    r = rl("plot", str(a), "--metric", "val/accuracy", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["runs"][0]
+    assert s["steps"] == [0, 5] and s["values"] == pytest.approx([0.0, 0.5])
+    r = rl("plot", str(a / "metrics.jsonl"), "--metric", "perf/time/rollout", "--json")
+    assert json.loads(r.stdout)["runs"][0]["points"] == 5
+    r = rl("plot", str(a), "--metric", "reward_mean", "--json")  # a metrics.jsonl field name works too
+    assert json.loads(r.stdout)["metric"] == "train/reward"
+
+
+def test_a_step_logged_twice_counts_once_with_its_last_value(tmp_path):
+    """Rows of an abandoned segment (a run killed after its checkpoint, then resumed) must not
+    draw a step twice: the last row of a step wins."""
+    run = make_run(tmp_path / "run", [1, 2, 3])
+    JsonlLogger(run).write_step({"step": 2, "reward_mean": 0.9})
+    from engine.tracking.series import load_series
+
+    s = load_series(run, "train/reward")
+    assert s.steps == [1, 2, 3] and s.values[1] == 0.9
+
+
+def test_png_has_one_line_per_run_with_its_points(runs, tmp_path):
+    a, b = runs
+    out = tmp_path / "plots" / "reward.png"
+    r = rl("plot", str(a), str(b), "--png", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["png"] == str(out)
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert not list(out.parent.glob(".*"))  # no temp file left behind
+
+    from engine.tracking.series import load_series
+    from rlcli.render.plot import png_figure
+
+    fig = png_figure([load_series(a, "train/reward"), load_series(b, "train/reward")], "train/reward")
+    lines = fig.axes[0].get_lines()
+    assert [len(line.get_xdata()) for line in lines] == [5, 8]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["a/ckpt", "b/ckpt"]
+
+
+def test_terminal_chart_names_the_runs_and_has_no_ansi_on_a_pipe(runs):
+    a, b = runs
+    r = rl("plot", str(a), str(b), "--width", "70", "--height", "14")
+    assert r.returncode == 0, r.stderr
+    assert not re.search(r"\x1b\[", r.stdout)
+    assert "train/reward" in r.stdout and "a/ckpt" in r.stdout and "b/ckpt" in r.stdout
+    assert len(r.stdout.splitlines()) >= 14
+
+
+def test_terminal_chart_draws_every_point():
+    """plotext's chart of a series spans its first and last step on the x axis."""
+    from engine.tracking.series import Series
+    from rlcli.render.plot import terminal_chart
+
+    text = terminal_chart([Series("r", "train/reward", [10, 20, 30], [0.1, 0.5, 0.2])], "train/reward",
+                          width=60, height=12, color=False)
+    assert "\x1b[" not in text and "train/reward" in text
+    assert "10" in text.splitlines()[-2] and "30" in text.splitlines()[-2]
+
+
+def test_unknown_metric_and_missing_run_are_user_errors(runs, tmp_path):
+    a, _ = runs
+    r = rl("plot", str(a), "--metric", "train/rewrd")
+    assert r.returncode == 2 and "train/reward" in r.stderr and "Traceback" not in r.stderr
+    r = rl("plot", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "does not exist" in flat(r.stderr)
+    r = rl("plot", str(a), "--list", "--json")
+    assert "train/grad_norm" in json.loads(r.stdout)["metrics"][str(a)]
