@@ -183,7 +183,8 @@ def test_loggers_write_every_step_once_across_resumes(tmp_path):
     r = rl("train", "trainer.total_steps=4", "checkpoint.save_freq=2", "checkpoint.keep_last=0",
            f"checkpoint.dir={run}", ALL, *common, "--json")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout)["tracking"]["loggers"]
+    assert json.loads(r.stdout)["tracking"]["loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    assert "train/reward" in r.stderr  # the summary's reward chart (stderr under --json)
     assert not ANSI.search(r.stdout + r.stderr)
     state = json.loads((run / "tracking.json").read_text())
 
@@ -218,7 +219,10 @@ def test_loggers_write_every_step_once_across_resumes(tmp_path):
     assert steps == Counter({s: 1 for s in range(1, 7)})
     by_step = {h["_step"]: h for h in hist if "train/reward" in h}
     assert by_step[5]["train/reward"] == pytest.approx(rows[5]["reward_mean"])
-    assert sorted(h["_step"] for h in hist if "samples" in h) == [2, 4, 6]
+    tables = {h["_step"]: h["samples"] for h in hist if "samples" in h}
+    assert sorted(tables) == [2, 4, 6] and all(t["_type"] == "table-file" for t in tables.values())
+    table = json.loads(next(run.glob("wandb/offline-run-*/files/media/table/samples_6_*.table.json")).read_text())
+    assert table["columns"][:4] == ["step", "prompt", "response", "reward"] and len(table["data"]) == 3
 
     # MLflow: the store inside the run directory, one run
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")

@@ -52,7 +52,14 @@ def history(path: Path) -> list[dict]:
     rows = []
     for rec in records(path):
         if rec.WhichOneof("record_type") == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            row: dict = {}
+            for i in rec.history.item:
+                keys = [i.key] if i.key else list(i.nested_key)
+                node = row
+                for k in keys[:-1]:     # media (a wandb.Table) arrive as samples -> {_type, path, ...}
+                    node = node.setdefault(k, {})
+                node[keys[-1]] = json.loads(i.value_json)
+            rows.append(row)
     return rows
 
 
