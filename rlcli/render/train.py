@@ -87,6 +87,8 @@ class StepPrinter:
         self.rows += 1
 
     def validation(self, v) -> None:
+        if not self.enabled:
+            return
         acc = "-" if v.accuracy is None else f"{v.accuracy:.3f}"
         failed = f", {v.reward_failures} reward calls failed (scored 0)" if getattr(v, "reward_failures", 0) else ""
         self.console.print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}{failed}")
