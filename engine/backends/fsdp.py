@@ -20,10 +20,21 @@ from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    return list(layers) if layers is not None else []
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of any transformers model, found by class: the model's
+    ``_no_split_modules`` names them (LlamaDecoderLayer, GPT2Block, GPTNeoXLayer, ...). Works
+    through wrappers (PEFT) because it walks every submodule. Empty when the model does not
+    declare them: the caller then shards the root only."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    if not names:
+        return []
+    # by MRO: fully_shard swaps a module's class for an FSDP subclass of it
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    # a declared class may also appear nested inside another declared one: keep the outermost
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    return [b for b in blocks if id(b) not in inner]
 
 
 class FSDPEngine(TrainEngine):
@@ -51,7 +62,7 @@ class FSDPEngine(TrainEngine):
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
         for m in [model] + ([ref] if ref is not None else []):
             m.to(self.device)
-            for layer in _decoder_layers(m):
+            for layer in decoder_blocks(m):
                 fully_shard(layer, mesh=self.mesh, mp_policy=mp,
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)

@@ -9,7 +9,6 @@ Resolvers never download; they work from locally installed packages and a cache.
 from __future__ import annotations
 
 import difflib
-import os
 from typing import Callable, Optional
 
 from engine.config.schema import ModelConfig
@@ -24,16 +23,12 @@ PRESETS: dict[str, Optional[Callable[[], str]]] = {
 
 
 def resolve_model_path(model_cfg: ModelConfig) -> str:
-    """Local HF model directory for this config, or "" for the tiny built-in model."""
+    """Local HF model directory for this config, or "" for the tiny built-in model. ``model.path``
+    may be a directory or a hub id in the local HF cache (engine/model/source.py)."""
     if model_cfg.path:
-        path = os.path.expanduser(model_cfg.path)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(
-                f"model.path={model_cfg.path!r} is not a Hugging Face model directory (no "
-                "config.json there). Point it at a local directory saved with save_pretrained, "
-                f"or unset it and pick a preset: model=<{'|'.join(PRESETS)}>."
-            )
-        return path
+        from engine.model.source import resolve_path_or_hub_id
+
+        return resolve_path_or_hub_id(model_cfg.path)
     name = model_cfg.preset
     if name not in PRESETS:
         close = difflib.get_close_matches(name, PRESETS, n=1)

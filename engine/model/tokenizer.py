@@ -16,7 +16,13 @@ class Tokenizer(Protocol):
 
 
 class CharTokenizer:
-    """One token per character of a fixed alphabet, plus <pad>=0, <eos>=1, <unk>=2."""
+    """One token per character of a fixed alphabet, plus <pad>=0, <eos>=1, <unk>=2.
+
+    ``hf()`` is the same vocabulary as a real Hugging Face tokenizer (built offline with the
+    ``tokenizers`` library, wrapped in ``PreTrainedTokenizerFast``): ``save_pretrained`` writes
+    tokenizer.json/tokenizer_config.json that ``AutoTokenizer.from_pretrained`` reloads with
+    identical ids, so a tiny-model run exports and decodes like any other model.
+    """
 
     SPECIALS = ("<pad>", "<eos>", "<unk>")
 
@@ -26,6 +32,24 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(self.itos)}
         self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
         self.vocab_size = len(self.itos)
+        self._hf = None
+
+    def hf(self):
+        """This vocabulary as a ``transformers.PreTrainedTokenizerFast`` (built once)."""
+        if self._hf is None:
+            from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+            from transformers import PreTrainedTokenizerFast
+
+            core = Tokenizer(models.WordLevel(dict(self.stoi), unk_token="<unk>"))
+            core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
+            core.decoder = decoders.Fuse()  # join characters back without spaces
+            self._hf = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                               unk_token="<unk>", clean_up_tokenization_spaces=False,
+                                               model_max_length=1 << 30)
+        return self._hf
+
+    def save_pretrained(self, path) -> None:
+        self.hf().save_pretrained(str(path))
 
     def encode(self, text: str) -> list[int]:
         return [self.stoi.get(c, self.unk_token_id) for c in text]
@@ -46,7 +70,14 @@ class HFTokenizer:
     def __init__(self, path: str, chat_template: bool = False):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from engine.errors import ConfigError
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"{path} has no usable tokenizer ({str(e).splitlines()[0][:200]}). A model directory "
+                              f"needs its tokenizer files (tokenizer.json or the slow tokenizer's vocab): save "
+                              f"them with tokenizer.save_pretrained(dir).", title="no tokenizer") from None
         self.chat_template = chat_template and getattr(self.tok, "chat_template", None) is not None
         self.eos_token_id = int(self.tok.eos_token_id)
         pad = self.tok.pad_token_id

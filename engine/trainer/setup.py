@@ -21,12 +21,16 @@ class RunInputs:
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
-    if cfg.model.path:
-        return cfg.model.path
-    if cfg.model.preset == "tiny":
-        return ""
+    """The local HF directory the run trains ("" = tiny built-in model), checked against the
+    engine: every model.path problem is a ConfigError here, before any run directory exists."""
     from engine.model.presets import resolve_model_path as resolve_preset
-    return resolve_preset(cfg.model)
+
+    path = resolve_preset(cfg.model)
+    if path:
+        from engine.model.source import check_architecture
+
+        check_architecture(path, cfg.engine.name)
+    return path
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:

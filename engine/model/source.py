@@ -1,0 +1,114 @@
+"""Where ``model.path`` points: a local Hugging Face directory, or a hub id resolved offline
+from the local Hugging Face cache; and whether that model can train on the chosen engine.
+
+Everything here runs on the driver before a run directory exists, so a bad ``model.path``
+is one ConfigError (exit 2), never a transformers traceback from inside a rank.
+
+    resolve_path_or_hub_id("./my-gpt2")            -> "./my-gpt2" (has config.json)
+    resolve_path_or_hub_id("Qwen/Qwen2.5-0.5B")    -> ~/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B/snapshots/<rev>
+    check_architecture(path, engine="megatron")    -> ConfigError unless Llama/Qwen2-shaped
+
+Hub ids are never downloaded: ``huggingface_hub.snapshot_download(local_files_only=True)``
+finds the snapshot ``refs/main`` (or the revision after ``@``) points at in ``HF_HUB_CACHE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from engine.errors import ConfigError
+
+# org/name (hub ids allow letters, digits, '-', '_', '.'), optionally @revision
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    return bool(HUB_ID_RE.match(text)) and not text.startswith((".", "/", "~"))
+
+
+def hub_cache_dir() -> str:
+    """HF_HUB_CACHE, else $HF_HOME/hub, else huggingface_hub's default (read now, not at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def resolve_hub_id(hub_id: str) -> str:
+    """The cached snapshot directory of ``hub_id`` (``org/name[@revision]``); never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = hub_id.partition("@")
+    cache = hub_cache_dir()
+    try:
+        path = snapshot_download(repo_id, revision=revision or None, local_files_only=True, cache_dir=cache)
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        path = None
+    if path is None or not os.path.isfile(os.path.join(path, "config.json")):
+        where = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+        rev = f" --revision {revision}" if revision else ""
+        raise ConfigError(
+            f"model.path={hub_id!r} is neither a local directory nor a model in the local Hugging Face cache "
+            f"(looked for {where}/snapshots/<rev>/config.json; HF_HUB_CACHE={cache}). rl never downloads during "
+            f"a run: fetch it first with `hf download {repo_id}{rev}` (or `huggingface-cli download "
+            f"{repo_id}`) on a machine with network access, or point model.path at a directory saved with "
+            f"save_pretrained.", title="model not found")
+    return path
+
+
+def resolve_path_or_hub_id(path: str) -> str:
+    """A local HF model directory for ``model.path`` (a directory or a cached hub id)."""
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ConfigError(
+                f"model.path={path!r} is a directory without config.json, so it is not a Hugging Face model "
+                f"directory. Point it at a directory written by save_pretrained (config.json, *.safetensors, "
+                f"tokenizer files) or at a hub id in the local cache (e.g. Qwen/Qwen2.5-0.5B).",
+                title="not a model directory")
+        return expanded
+    if os.path.exists(expanded):
+        raise ConfigError(f"model.path={path!r} is a file; it must be a Hugging Face model directory (with "
+                          f"config.json) or a hub id such as Qwen/Qwen2.5-0.5B.", title="not a model directory")
+    if looks_like_hub_id(path):
+        return resolve_hub_id(path)
+    raise ConfigError(
+        f"model.path={path!r} does not exist (resolved to {os.path.abspath(expanded)}). Give a local Hugging "
+        f"Face model directory, a hub id in the local cache such as Qwen/Qwen2.5-0.5B ({hub_cache_dir()}), or "
+        f"unset model.path to use a preset (model=tiny|smollm2-135m).", title="model not found")
+
+
+def read_config_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}/config.json cannot be read as JSON ({e}). Re-save the model with "
+                          f"save_pretrained.", title="not a model directory") from None
+
+
+def check_architecture(path: str, engine: str) -> None:
+    """Refuse a model the chosen engine cannot train, naming what it is and what to do."""
+    raw = read_config_json(path)
+    model_type = raw.get("model_type", "")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        known = ", ".join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[:12])
+        raise ConfigError(
+            f"{path}/config.json has model_type={model_type!r}, which transformers does not know as a causal "
+            f"language model (AutoModelForCausalLM: {known}, ...). rl trains decoder-only causal LMs; check "
+            f"the directory, or upgrade transformers if the architecture is newer than it.",
+            title="unsupported model")
+    if engine == "megatron":
+        from transformers import AutoConfig
+
+        from engine.backends.megatron.model import arch_from_hf_config
+
+        arch_from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))  # raises ConfigError
