@@ -85,6 +85,7 @@ class Validation:
     correct: list | None = None     # per held-out problem, in order (when the task defines it)
     rewards: list | None = None     # per held-out problem, in order
     reward_failures: int = 0
+    responses: list | None = None   # the greedy response text per held-out problem, in order
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -74,7 +74,8 @@ class RunDir:
             "samples_seen": stream.pos.samples_seen, "world_size": len(info), "engine": e.name,
             "parallel": {"dp": workers.dp_size, "tp": tp, "pp": pp, "cp": cp},
             "model": {"preset": cfg.model.preset, "path": cfg.model.path, "num_params": facts["num_params"],
-                      "params": facts["params"]},
+                      "resolved_path": getattr(workers, "model_path", ""), "params": facts["params"],
+                      **({"lora": facts["lora"]} if facts.get("lora") else {})},
             "optimizer": {"type": "AdamW", "flattened": True, "param_state": facts["param_state"]},
             "config": asdict(cfg), "versions": package_versions(),
         }

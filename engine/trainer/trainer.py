@@ -339,7 +339,8 @@ def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validatio
     scored = inputs.rewards.score(samples_of(inputs.task.val, responses))
     reward = sum(scored.total) / len(responses)
     acc = None if scored.correct is None else sum(scored.correct) / len(responses)
-    return Validation(step, acc, reward, scored.correct, rewards=scored.total, reward_failures=len(scored.failures))
+    return Validation(step, acc, reward, scored.correct, rewards=scored.total, reward_failures=len(scored.failures),
+                      responses=responses)
 
 
 def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:

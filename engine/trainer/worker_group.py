@@ -38,6 +38,7 @@ class WorkerGroup:
         from engine.trainer.worker import RankWorker
 
         self.cfg = cfg
+        self.model_path = model_path  # the resolved local directory ("" = tiny built-in model)
         self.timeout = cfg.trainer.ray_timeout_s
         n = cfg.trainer.nprocs
         threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // n)

@@ -1,0 +1,80 @@
+"""The files of an export that do not come from the checkpoint's tensors: the model config,
+generation config and tokenizer of the model the run trained, rebuilt from the manifest.
+
+* ``model.path`` / a preset: the resolved local directory recorded in the manifest
+  (``model.resolved_path``), else resolved again (a hub id from the local HF cache).
+* the tiny built-in model: ``tiny_hf_config`` from the recorded ``model.*`` dims and the
+  task's character vocabulary as a real ``PreTrainedTokenizerFast``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine.errors import CheckpointError
+
+
+@dataclass
+class BaseModel:
+    config: object               # transformers PretrainedConfig
+    generation_config: object    # transformers GenerationConfig
+    tokenizer: object            # has save_pretrained(dir)
+    source: str                  # "tiny built-in (...)" or the directory it came from
+    path: str                    # the local directory ("" for the tiny model)
+
+
+def run_config(manifest_config: dict):
+    from engine.config.validate import build_run_config
+
+    try:
+        return build_run_config(manifest_config)
+    except Exception as e:  # a checkpoint from an older schema
+        raise CheckpointError(f"the checkpoint's recorded config no longer validates ({e}); export it with the "
+                              f"rl version that wrote it (versions.json in the run directory).",
+                              title="incompatible checkpoint") from None
+
+
+def base_dir(manifest: dict, cfg) -> str:
+    recorded = (manifest.get("model") or {}).get("resolved_path") or ""
+    if recorded and os.path.isfile(os.path.join(recorded, "config.json")):
+        return recorded
+    from engine.model.presets import resolve_model_path
+
+    return resolve_model_path(cfg.model)  # "" for tiny; ConfigError when it cannot be found
+
+
+def architectures(config) -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    return [name] if isinstance(name, str) else list(getattr(config, "architectures", None) or [])
+
+
+def load_base_model(manifest: dict) -> BaseModel:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    cfg = run_config(manifest.get("config") or {})
+    path = base_dir(manifest, cfg)
+    if path:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except OSError:
+            gen = GenerationConfig.from_model_config(config)
+        source = path
+    else:
+        from engine.model.build import tiny_hf_config
+        from engine.model.tokenizer import CharTokenizer
+        from engine.tasks.registry import make_task
+
+        task = make_task(cfg.task, cfg.trainer.seed)
+        char = CharTokenizer(task.alphabet)
+        config = tiny_hf_config(cfg.model, char.vocab_size, char.pad_token_id, char.eos_token_id)
+        tokenizer = char.hf()
+        gen = GenerationConfig(eos_token_id=char.eos_token_id, pad_token_id=char.pad_token_id)
+        source = f"tiny built-in ({config.model_type}, task={cfg.task.name} vocabulary)"
+    config.architectures = architectures(config)
+    config.use_cache = True
+    return BaseModel(config, gen, tokenizer, source, path)
