@@ -192,17 +192,25 @@ def build_key_tree() -> dict:
 
     removed = set(REMOVED_KEYS)
 
-    def describe(cls, section: str) -> tuple[dict, dict]:
+    from engine.config.schema import nested_section
+
+    def describe(cls, section: str, prefix: str = "") -> tuple[dict, dict]:
         meta, defaults = {}, {}
         for f in fields(cls):
-            key = f"{section}.{f.name}"
+            key = f"{section}.{prefix}{f.name}"
             if key in removed:
+                continue
+            sub = nested_section(f)
+            if sub is not None:  # model.lora.*: its leaves appear as fields "lora.rank", ...
+                m, d = describe(sub, section, f"{prefix}{f.name}.")
+                meta.update(m)
+                defaults.update(d)
                 continue
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             choices = list(f.metadata.get("choices", []))
             if kind == "bool" and not choices:
                 choices = ["true", "false"]
-            meta[f.name] = {"type": kind, "help": f.metadata.get("help", ""),
+            meta[prefix + f.name] = {"type": kind, "help": f.metadata.get("help", ""),
                             "choices": [_render_default(c) for c in choices]}
             if f.default is not MISSING:
                 defaults[key] = _render_default(f.default)

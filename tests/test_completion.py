@@ -152,8 +152,11 @@ def test_defaults_shown_are_what_hydra_composes(monkeypatch, line):
     composed = flatten(compose_dict(overrides))
     nodes = [v for v in _values(ck._override_items("")) if v.endswith(".")]
     leaves = []
-    for node in nodes:
-        leaves += [v[:-1] for v in _values(ck._override_items(node)) if v.endswith("=")]
+    while nodes:  # walk nested sections too (model.lora.)
+        node = nodes.pop()
+        items = _values(ck._override_items(node))
+        leaves += [v[:-1] for v in items if v.endswith("=")]
+        nodes += [v for v in items if v.endswith(".") and v != node]
     assert set(leaves) == set(composed), set(leaves) ^ set(composed)
     for key in leaves:
         offered = _values(ck.complete_override(f"{key}="))

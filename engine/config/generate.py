@@ -11,7 +11,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, ENGINE_CONFIGS, section_types
+from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, ENGINE_CONFIGS, nested_section, section_types
 
 HEADER = "# GENERATED from engine/config/schema.py by `python -m engine.config.generate`. Do not edit.\n"
 
@@ -37,6 +37,11 @@ def _yaml_value(v) -> str:
 def _section_yaml(cls, indent: str) -> list[str]:
     lines = []
     for f in fields(cls):
+        sub = nested_section(f)
+        if sub is not None:  # a section inside a section (model.lora)
+            lines.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
+            lines += _section_yaml(sub, indent + "  ")
+            continue
         lines.append(f"{indent}{f.name}: {_yaml_value(_default(f))}  # {f.metadata.get('help', '')}")
     return lines
 
@@ -61,6 +66,15 @@ def render_engine(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _leaves(cls, prefix: str):
+    for f in fields(cls):
+        sub = nested_section(f)
+        if sub is not None:
+            yield from _leaves(sub, f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}", f
+
+
 def render_reference() -> str:
     out = ["# Config reference", "",
            "Generated from `engine/config/schema.py` (`python -m engine.config.generate`).",
@@ -71,12 +85,12 @@ def render_reference() -> str:
         for c in classes:
             title = f"`{section}`" + (f" ({c.__name__})" if section == "engine" else "")
             out += [f"## {title}", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-            for f in fields(c):
+            for key, f in _leaves(c, section):
                 m = f.metadata
                 allowed = " / ".join(map(str, m["choices"])) if "choices" in m else ""
                 if "min" in m or "max" in m:
                     allowed = f"{m.get('min', '')} .. {m.get('max', '')}"
-                out.append(f"| `{section}.{f.name}` | `{_yaml_value(_default(f))}` | {allowed} | {m.get('help', '')} |")
+                out.append(f"| `{key}` | `{_yaml_value(_default(f))}` | {allowed} | {m.get('help', '')} |")
             out.append("")
     from engine.config.removed_keys import REMOVED_KEYS
 

@@ -85,8 +85,16 @@ class TaskConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank (peft); 0 = off, the whole model trains. FSDP engine only", min=0)
+    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank", min=0.0)
+    dropout: float = _f(0.0, "dropout on the LoRA input", min=0.0, max=1.0)
+    target_modules: list = _f([], "module names to adapt, e.g. [q_proj,v_proj]; empty = peft's default for the architecture (all linear layers if it has none)")
+
+
+@dataclass
 class ModelConfig:
-    path: str = _f("", "local Hugging Face model directory; empty builds the tiny built-in model offline")
+    path: str = _f("", "Hugging Face model: a local directory or a hub id in the local HF cache (offline); empty builds the tiny built-in model")
     preset: str = _f("tiny", "named model preset (see configs/model/)")
     hidden_size: int = _f(64, "tiny model: hidden size", min=8)
     intermediate_size: int = _f(128, "tiny model: MLP size", min=8)
@@ -97,6 +105,7 @@ class ModelConfig:
     tie_word_embeddings: bool = _f(False, "tiny model: share input and output embeddings")
     attention_bias: bool = _f(False, "tiny model: q/k/v bias (Qwen2-style)")
     dtype: str = _f("float32", "parameter dtype for training", choices=["float32", "bfloat16"])
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters instead of full fine-tuning"})
 
 
 @dataclass
@@ -213,6 +222,14 @@ ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": Megatro
 # options a run gets when it names none (configs/rl.yaml's defaults list is generated from them).
 CONFIG_GROUP_DEFAULTS = {"engine": "fsdp", "task": "echo", "model": "tiny", "algorithm": "grpo", "rollout": "torch"}
 CONFIG_GROUPS = tuple(CONFIG_GROUP_DEFAULTS)
+
+
+def nested_section(f) -> Optional[type]:
+    """The dataclass behind a field that is itself a section (e.g. ``model.lora``), else None."""
+    from dataclasses import MISSING, is_dataclass
+
+    factory = f.default_factory
+    return factory if factory is not MISSING and isinstance(factory, type) and is_dataclass(factory) else None
 
 
 def section_types(engine_name: Optional[str] = None) -> dict[str, type]:

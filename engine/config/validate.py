@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from engine.config.removed_keys import removed_message
-from engine.config.schema import ENGINE_CONFIGS, RunConfig, section_types
+from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
 
 
@@ -22,9 +22,27 @@ def all_keys(engine_name: str | None = None, include_all_engines: bool = True) -
     for section, cls in section_types(engine_name).items():
         classes = list(ENGINE_CONFIGS.values()) if (section == "engine" and include_all_engines) else [cls]
         for c in classes:
-            for f in fields(c):
-                out.setdefault(f"{section}.{f.name}", f)
+            _leaf_keys(c, section, out)
     return out
+
+
+def _leaf_keys(cls, prefix: str, out: dict) -> None:
+    for f in fields(cls):
+        sub = nested_section(f)
+        if sub is not None:
+            _leaf_keys(sub, f"{prefix}.{f.name}", out)
+        else:
+            out.setdefault(f"{prefix}.{f.name}", f)
+
+
+def nested_sections(engine_name: str | None = None) -> set[str]:
+    """Dotted names of sections inside sections (``model.lora``)."""
+    found = set()
+    for section, cls in section_types(engine_name).items():
+        for f in fields(cls):
+            if nested_section(f) is not None:
+                found.add(f"{section}.{f.name}")
+    return found
 
 
 def suggest(key: str, candidates: list[str]) -> str:
@@ -47,7 +65,7 @@ def check_key(key: str, engine_name: str | None) -> None:
     if key in keys:
         return
     sections = section_types(engine_name)
-    if key in sections:
+    if key in sections or key in nested_sections(engine_name):
         return
     head = key.split(".", 1)[0]
     if head not in sections:
@@ -138,20 +156,30 @@ def build_run_config(data: dict) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"`{section}` must be a mapping of keys; got {value!r}.", title="invalid config")
     for section, cls in sections.items():
-        values = data.get(section) or {}
-        kwargs = {}
-        known = {f.name: f for f in fields(cls)}
-        for k, v in values.items():
-            key = f"{section}.{k}"
-            if k not in known:
-                check_key(key, engine_name)
-            if isinstance(v, dict) and not is_dataclass(known[k].type):
-                raise ConfigError(f"`{key}` is a value, not a section; got {v!r}.", title="invalid config value")
-            kwargs[k] = coerce_value(key, known[k], v)
-        built[section] = cls(**kwargs)
+        built[section] = _build_section(cls, data.get(section) or {}, section, engine_name)
     cfg = RunConfig(**built)
     check_cross_field(cfg)
     return cfg
+
+
+def _build_section(cls, values: dict, prefix: str, engine_name: str):
+    kwargs = {}
+    known = {f.name: f for f in fields(cls)}
+    for k, v in values.items():
+        key = f"{prefix}.{k}"
+        if k not in known:
+            check_key(key, engine_name)
+        sub = nested_section(known[k])
+        if sub is not None:
+            if not isinstance(v, dict):
+                raise ConfigError(f"`{key}` is a section; set its keys, e.g. `{key}.{fields(sub)[0].name}=...`; "
+                                  f"got {v!r}.", title="invalid config value")
+            kwargs[k] = _build_section(sub, v, key, engine_name)
+            continue
+        if isinstance(v, dict) and not is_dataclass(known[k].type):
+            raise ConfigError(f"`{key}` is a value, not a section; got {v!r}.", title="invalid config value")
+        kwargs[k] = coerce_value(key, known[k], v)
+    return cls(**kwargs)
 
 
 def check_cross_field(cfg: RunConfig) -> None:
@@ -176,6 +204,10 @@ def check_cross_field(cfg: RunConfig) -> None:
     from engine.tracking.registry import check_loggers
 
     check_loggers(cfg.trainer.loggers)
+    lora = cfg.model.lora
+    if lora.rank and cfg.engine.name != "fsdp":
+        raise ConfigError(f"LoRA (model.lora.rank={lora.rank}) runs on the FSDP engine only; use --engine fsdp or "
+                          f"set model.lora.rank=0.", title="invalid config")
     e = cfg.engine
     from engine.batching.validate import validate_run_padding
 
