@@ -42,6 +42,7 @@ class FSDPEngine(TrainEngine):
         super().__init__(*args, **kwargs)
         self.optimizer = None
         self._scheduler = None
+        self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -58,6 +59,13 @@ class FSDPEngine(TrainEngine):
         if c.engine.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         ref = copy.deepcopy(model).eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
+        self.lora_reference = None
+        if c.model.lora.rank:  # the reference stays the base model; the policy gets adapters
+            from engine.model.lora import inject
+
+            model, self.lora_reference = inject(model, c.model.lora, self.model_path)
+            if c.engine.gradient_checkpointing:
+                model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
         for m in [model] + ([ref] if ref is not None else []):
@@ -69,7 +77,8 @@ class FSDPEngine(TrainEngine):
         self.model, self.ref_model = model, ref
         if c.engine.compile:
             self._forward = torch.compile(self.model.forward, dynamic=False)
-        self.optimizer, self._scheduler = build_optimizer(self.model.parameters(), c.optim, self.total_updates)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only
+        self.optimizer, self._scheduler = build_optimizer(trainable, c.optim, self.total_updates)
         from engine.batching.buckets import make_bucket_policy
 
         # long-lived, so policy=learned sees every step; the longest sequence is its top boundary
@@ -219,6 +228,17 @@ class FSDPEngine(TrainEngine):
         for name, value in self.model.state_dict().items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[name] = full.detach().to("cpu", copy=True)
+        if self.lora_reference is not None:
+            out = self._merge_lora(out)
+        return out
+
+    def _merge_lora(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """LoRA: the base model's names and merged weights (W + B A alpha/r), which is what
+        vLLM receives. ``full`` is already gathered on every rank: no further collective."""
+        from engine.model.lora import base_name, merged_weights
+
+        out = {base_name(k): v for k, v in full.items() if "lora_" not in k}
+        out.update(merged_weights(self.model, full))
         return out
 
     # ---- memory -------------------------------------------------------------------------
@@ -254,6 +274,8 @@ class FSDPEngine(TrainEngine):
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                             options=StateDictOptions(flatten_optimizer_state_dict=True))
+        if self.lora_reference is not None:  # adapters only; the manifest names the base model and its hash
+            model_sd = {k: v for k, v in model_sd.items() if "lora_" in k}
         return {"model": model_sd, "optim": optim_sd}
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -261,7 +283,8 @@ class FSDPEngine(TrainEngine):
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+                       options=StateDictOptions(flatten_optimizer_state_dict=True,
+                                                strict=self.lora_reference is None))
 
     def optimizer_coverage(self) -> dict[str, bool]:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -270,7 +293,8 @@ class FSDPEngine(TrainEngine):
 
     def param_shapes(self) -> dict[str, dict]:
         return {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
-                for n, p in self.model.named_parameters()}
+                for n, p in self.model.named_parameters()
+                if self.lora_reference is None or p.requires_grad}  # LoRA: what the checkpoint holds
 
 
 def _zero_weight(mb):

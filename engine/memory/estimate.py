@@ -378,6 +378,28 @@ def _shapes(run_cfg: RunConfig, lay: _Layout, seq_len: Optional[int]) -> _Shapes
 
 
 # ---- the arithmetic -----------------------------------------------------------------------
+# (in, out) features of the Linear layers LoRA usually targets, per decoder layer, by name
+def _linear_shapes(dims: ModelDims) -> dict[str, list[tuple[int, int]]]:
+    h, i, d = dims.hidden_size, dims.intermediate_size, dims.d
+    q, kv = dims.num_attention_heads * d, dims.num_key_value_heads * d
+    return {"q_proj": [(h, q)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(q, h)],
+            "gate_proj": [(h, i)], "up_proj": [(h, i)], "down_proj": [(i, h)],
+            "c_attn": [(h, 3 * h)], "c_fc": [(h, i)], "c_proj": [(h, h), (i, h)],          # GPT-2
+            "query_key_value": [(h, 3 * h)], "dense": [(h, h)],                               # GPT-NeoX
+            "dense_h_to_4h": [(h, i)], "dense_4h_to_h": [(i, h)]}
+
+
+def lora_trainable_params(dims: ModelDims, rank: int, targets: list[str]) -> tuple[int, str]:
+    """LoRA parameters (A: r x in, B: out x r per adapted Linear) over all layers, and which
+    modules were counted. No targets = peft's Llama default (q_proj, v_proj)."""
+    shapes = _linear_shapes(dims)
+    names = [t for t in (targets or ["q_proj", "v_proj"]) if t in shapes]
+    if targets == ["all-linear"]:
+        names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    per_layer = sum(rank * (fin + fout) for n in names for fin, fout in shapes[n])
+    return per_layer * dims.num_layers, ", ".join(names) or "no known module"
+
+
 def _fmt(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.2f} MiB"
 
@@ -416,6 +438,17 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     optimizer = opt_params * opt_b
     f["optimizer"] = (f"{opt_params:,} x {opt_b} B (AdamW fp32 m, v{' + fp32 master' if bf16 else ''})"
                       + (f", sharded over DP={opt_div}" if opt_div > 1 else ""))
+    lora = run_cfg.model.lora
+    if lora.rank:  # only the adapters have gradients and AdamW state; the base is frozen
+        n_lora, what = lora_trainable_params(dims, lora.rank, list(lora.target_modules))
+        lora_rank = math.ceil(n_lora / lay.dp)
+        params += lora_rank * a
+        f["params"] += f" + LoRA adapters {lora_rank:,} x {a} B"
+        grads = lora_rank * grad_b + (st.largest_layer * a if gather else 0)
+        f["grads"] = (f"LoRA only: {lora_rank:,} adapter params x {grad_b} B (rank {lora.rank} on {what}; "
+                      f"base weights frozen, no grads)")
+        optimizer = lora_rank * opt_b
+        f["optimizer"] = f"LoRA only: {lora_rank:,} adapter params x {opt_b} B (AdamW m, v)"
 
     # activations and logits for one micro-batch
     seqs_cp = sh.micro_seqs

@@ -163,7 +163,8 @@ class RankWorker:
         """What the manifest records about the model and optimizer (rank 0 asks)."""
         return {"param_state": self.engine.optimizer_coverage(),
                 "params": self.engine.param_shapes(),
-                "num_params": self.engine.param_count()}
+                "num_params": self.engine.param_count(),
+                "lora": getattr(self.engine, "lora_reference", None)}
 
     def load(self, step_dir: str, plan: dict) -> dict:
         from engine.checkpoint.load import load_rank_state

@@ -1,0 +1,192 @@
+"""LoRA with peft on the FSDP2 engine: only adapters train and are checkpointed (with the base
+model's path and sha256), resume is exact, a LoRA run learns the default task, and `rl export`
+merges the adapters (or writes a PEFT adapter directory) to what the policy generated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+pytest.importorskip("peft")
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, PAD, EOS = 12, 0, 1
+LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=2e-2"]
+
+
+def _engine(overrides):
+    from engine.backends.fsdp import FSDPEngine
+    from engine.config.load import load_run_config
+
+    cfg = load_run_config(overrides).config
+    eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    return cfg, eng
+
+
+def _batch(seed: int):
+    from engine.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = 8, 10
+    ids = torch.randint(2, VOCAB, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    resp = attn.float().clone()
+    resp[:, :3] = 0
+    adv = torch.randn(B, generator=g)[:, None] * resp
+    return SequenceBatch(input_ids=ids, attention_mask=attn, response_mask=resp,
+                         prompt_lengths=torch.full((B,), 3), advantages=adv)
+
+
+def _adapters_only(rank, world, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.model.lora import base_name
+
+    cfg, eng = _engine([*LORA, "optim.warmup_steps=0"])
+    out = {}
+    named = dict(eng.model.named_parameters())
+    in_opt = {id(p) for g in eng.optimizer.param_groups for p in g["params"]}
+    out["opt_names"] = sorted(n for n, p in named.items() if id(p) in in_opt)
+    out["lora_names"] = sorted(n for n in named if "lora_" in n)
+    before = eng.export_hf_state_dict()
+    eng.train_step(_batch(0), PolicyLoss(cfg.algorithm, world))
+    state = eng.checkpoint_state()
+    out["ckpt_model_keys"] = sorted(state["model"])
+    out["reference"] = eng.lora_reference
+    dcp.save(state, checkpoint_id=ckpt_dir)
+    sched = eng.lr_scheduler.state_dict()
+    merged = eng.export_hf_state_dict()
+    out["merged_names_equal"] = sorted(merged) == sorted(before)
+    out["merged_changed"] = sorted(k for k in merged if not torch.equal(merged[k], before[k]))
+    from torch.distributed.tensor import DTensor
+
+    raw = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in eng.model.state_dict().items()}
+    out["base_unchanged"] = all(torch.equal(before[base_name(k)], v) for k, v in raw.items() if ".base_layer." in k)
+    eng.train_step(_batch(1), PolicyLoss(cfg.algorithm, world))
+    out["continued"] = eng.export_hf_state_dict()
+    # a fresh engine resumed from the checkpoint takes the identical second step
+    cfg2, eng2 = _engine([*LORA, "optim.warmup_steps=0"])
+    state2 = eng2.checkpoint_state()
+    dcp.load(state2, checkpoint_id=ckpt_dir)
+    eng2.load_checkpoint_state(state2)
+    eng2.lr_scheduler.load_state_dict(sched)
+    eng2.train_step(_batch(1), PolicyLoss(cfg2.algorithm, world))
+    out["resumed"] = eng2.export_hf_state_dict()
+    return out
+
+
+def test_lora_trains_and_checkpoints_only_adapters_and_resumes_exactly(tmp_path):
+    """On 2 FSDP2 ranks: the optimizer holds exactly the LoRA A/B matrices, the checkpoint's
+    model entries are only those (the manifest gets the base model's sha256 instead), the base
+    weights never change, the merged weights handed to vLLM/export keep the base model's names
+    and change only on adapted layers, and a fresh engine loaded from the checkpoint takes a
+    bit-identical next step."""
+    r0, r1 = run_ranks(_adapters_only, 2, str(tmp_path / "ck"))
+    assert r0["opt_names"] == r0["lora_names"] and r0["lora_names"]
+    assert all(("q_proj.lora_" in n or "v_proj.lora_" in n) for n in r0["lora_names"])  # peft's Llama default
+    assert r0["ckpt_model_keys"] == r0["lora_names"]
+    ref = r0["reference"]
+    assert ref["rank"] == 8 and len(ref["base_sha256"]) == 64 and ref["base_path"] == ""
+    assert r0["merged_names_equal"] and r0["base_unchanged"]
+    assert r0["merged_changed"] and all(("q_proj" in k or "v_proj" in k) for k in r0["merged_changed"])
+    for k, v in r0["continued"].items():
+        assert torch.equal(v, r0["resumed"][k]), k
+    assert r0["reference"] == r1["reference"]
+
+
+def rl(*args, timeout=3000):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
+    """`rl train model.lora.rank=8` learns the default echo task (reward of the last 10 steps at
+    least twice the first 10); the merged export generates, through transformers alone, rl's own
+    greedy validation responses on the 32 held-out prompts; --adapter writes a PEFT directory
+    whose PeftModel over the base gives the merged export's logits; a changed base is refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from engine.config.load import load_run_config
+    from engine.errors import CheckpointError
+    from engine.export import export_checkpoint
+    from engine.model.build import build_hf_model
+    from tests.test_export import final_validation, held_out_prompts, hf_greedy
+
+    run = tmp_path / "run"
+    r = rl("train", *LORA, "task.num_val=32", "trainer.val_freq=40", f"checkpoint.dir={run}", "--json")
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads(r.stdout)
+    assert s["reward_last10"] >= 2 * s["reward_first10"], s
+    manifest = json.loads((run / "step_40" / "manifest.json").read_text())
+    assert manifest["model"]["lora"]["rank"] == 8 and len(manifest["model"]["lora"]["base_sha256"]) == 64
+
+    merged = export_checkpoint(run, out=tmp_path / "merged")
+    assert merged.kind == "merged-lora"
+    assert hf_greedy(tmp_path / "merged", held_out_prompts()) == final_validation(run)["responses"]
+
+    adapter = export_checkpoint(run, out=tmp_path / "adapter", adapter=True)
+    assert adapter.kind == "lora-adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in adapter.files}
+    cfg = load_run_config([*LORA]).config
+    base = build_hf_model(cfg.model, "", VOCAB, cfg.trainer.seed, PAD, EOS)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(peft(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
+
+    manifest["model"]["lora"]["base_sha256"] = "0" * 64
+    (run / "step_40" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="base model .* has changed"):
+        export_checkpoint(run, out=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_merged_weights_equal_peft_merge_and_unload(arch, tmp_path):
+    """The merged weights the engine syncs to vLLM (computed from gathered tensors) equal peft's
+    own merge_and_unload, including GPT-2's transposed Conv1D layers (fan_in_fan_out)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from engine.config.schema import LoraConfig as RlLora
+    from engine.model.lora import base_name, inject, merged_weights
+    from tests.tiny_hf import save_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(arch, tmp_path / arch))
+    lora = RlLora(rank=4, alpha=8.0)
+    injected, _ = inject(copy.deepcopy(model), lora, "")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in injected.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    full = dict(injected.state_dict())
+    ours = {base_name(k): v for k, v in full.items() if "lora_" not in k}
+    ours.update(merged_weights(injected, full))
+    targets = ["q_proj", "v_proj"] if arch == "llama" else ["c_attn"]
+    ref = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8.0, target_modules=targets,
+                                                          fan_in_fan_out=arch == "gpt2"))
+    ref.load_state_dict({"base_model.model." + k: v for k, v in full.items()}, strict=False)
+    theirs = ref.merge_and_unload().state_dict()
+    assert set(ours) == set(theirs)
+    changed = 0
+    for k in ours:
+        assert torch.allclose(ours[k], theirs[k], atol=1e-6), k
+        changed += not torch.equal(ours[k], model.state_dict()[k])
+    assert changed == 2 * (2 if arch == "llama" else 1)
