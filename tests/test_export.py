@@ -227,5 +227,5 @@ print("RESULT" + json.dumps([o.outputs[0].text for o in outs]))
     r = subprocess.run([sys.executable, "-c", code], input=json.dumps(held_out_prompts()), capture_output=True,
                        text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.split("RESULT", 1)[1])
+    got = json.loads(r.stdout.split("RESULT", 1)[1].splitlines()[0])
     assert got == final_validation(fsdp1_run)["responses"]
