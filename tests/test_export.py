@@ -143,6 +143,10 @@ def test_export_reads_only_model_entries_and_shards(fsdp1_run, tmp_path, monkeyp
     tensors = load_file(tmp_path / "bf16" / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    from engine.inspect import inspect_path
+
+    rep = inspect_path(tmp_path / "sharded")  # rl inspect-ckpt recognises an exported directory
+    assert rep.format == "rl-export" and rep.step == 2 and len(rep.tensors) == len(index["weight_map"])
 
 
 def _text(stderr: str) -> str:

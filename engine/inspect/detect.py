@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import CheckpointError
-from engine.inspect import dcp, hf_safetensors, megatron_dist, rl_checkpoint, torch_save, verl_fsdp
+from engine.inspect import dcp, hf_export, hf_safetensors, megatron_dist, rl_checkpoint, torch_save, verl_fsdp
 from engine.inspect.files import human_bytes
 from engine.inspect.safe_unpickle import ZIP_MAGIC
 
@@ -31,6 +31,10 @@ READERS: dict[str, tuple[Callable, str]] = {
                  "megatron-core dist_checkpointing dir (metadata.json + torch_dist)"),
     "dcp": (dcp.inspect_dcp,
             "torch.distributed.checkpoint dir (.metadata + *.distcp)"),
+    "rl-export": (hf_export.inspect_rl_export,
+                  "Hugging Face model written by `rl export` (rl_export.json + safetensors)"),
+    "peft-adapter": (hf_export.inspect_peft_adapter,
+                     "PEFT LoRA adapter dir (adapter_config.json + adapter_model.safetensors)"),
     "safetensors": (hf_safetensors.inspect_safetensors,
                     "Hugging Face safetensors (file, or dir with index)"),
     "torch-save": (torch_save.inspect_torch_save,
@@ -59,6 +63,10 @@ def detect(path: Path) -> str:
         return "verl-fsdp"
     if dcp.is_dcp_dir(path):
         return "dcp"
+    if hf_export.is_peft_adapter(path):
+        return "peft-adapter"
+    if hf_export.is_rl_export(path):
+        return "rl-export"
     if hf_safetensors.is_safetensors_dir(path):
         return "safetensors"
     raise CheckpointError(_unknown_dir_message(path), title="unknown checkpoint layout")
