@@ -4,6 +4,7 @@ called. Bad paths are one clear error, exit 2, before any run directory exists."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -156,3 +157,24 @@ def test_tiny_tokenizer_is_a_real_hf_tokenizer_with_the_same_ids(tmp_path):
             assert ids == tok.encode(text), (name, text)
             assert hf.decode(ids + [tok.eos_token_id, 0], skip_special_tokens=True) == tok.decode(ids) == text
         assert hf.encode("\u00e9", add_special_tokens=False) == [tok.unk_token_id]
+
+
+@pytest.mark.slow
+def test_hub_id_gpt2_trains_and_round_trips_through_export(model_dirs, tmp_path):
+    """`rl train model.path=org/name` from a local HF cache (offline) trains a GPT-2, and its
+    `rl export` (tied embeddings, Conv1D weights, learned positions) generates rl's own greedy
+    validation responses through transformers alone."""
+    from engine.export import export_checkpoint
+    from tests.test_export import final_validation, held_out_prompts, hf_greedy
+
+    fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-gpt2", model_dirs["gpt2"])
+    run = tmp_path / "run"
+    r = _rl(["train", "model.path=tiny-org/tiny-gpt2", "trainer.total_steps=2", "data.train_batch_size=8",
+             "algorithm.rollout_n=4", "task.num_val=32", "trainer.val_freq=2", f"checkpoint.dir={run}"], tmp_path,
+            {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    manifest = json.loads((run / "step_2" / "manifest.json").read_text())
+    assert "models--tiny-org--tiny-gpt2/snapshots" in manifest["model"]["resolved_path"]
+    result = export_checkpoint(run, out=tmp_path / "hf")
+    assert result.model_type == "gpt2"
+    assert hf_greedy(tmp_path / "hf", held_out_prompts()) == final_validation(run)["responses"]

@@ -28,6 +28,16 @@ def _dtype(name: str | None, cfg_dtype: str) -> str:
     return name
 
 
+def _check_shard_size(size) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:
+        split_torch_state_dict_into_shards({"x": torch.empty(1, device="meta")}, max_shard_size=size)
+    except (ValueError, TypeError):
+        raise UserError(f"--max-shard-size {size!r} is not a size; write it like 5GB, 500MB or 2GiB.",
+                        title="invalid option") from None
+
+
 def export_checkpoint(path, out=None, dtype: str | None = None, overwrite: bool = False, adapter: bool = False,
                       max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> ExportResult:
     """Export ``path`` (a run directory -> its latest complete step, or a step_N directory) to a
@@ -41,6 +51,7 @@ def export_checkpoint(path, out=None, dtype: str | None = None, overwrite: bool 
         raise UserError(f"--adapter writes a PEFT adapter directory, but {src.step_dir} is not a LoRA checkpoint "
                         f"(the run had no model.lora.rank). Drop --adapter to export the full model.",
                         title="not a LoRA checkpoint")
+    _check_shard_size(max_shard_size)
     out = Path(out) if out else src.step_dir / ("hf-adapter" if adapter else "hf")
     check_target(out, overwrite)
     dtype_name = _dtype(dtype, ((src.config.get("model") or {}).get("dtype")))
