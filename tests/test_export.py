@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_completion import _bash_protocol, _run_rl, rl_bin, workdir  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 # head_dim 32: also what vLLM's CPU attention accepts (the tiny default's 16 is not)
 RUN = ["trainer.total_steps=2", "data.train_batch_size=8", "algorithm.rollout_n=4", "task.num_val=32",
@@ -233,3 +235,15 @@ print("RESULT" + json.dumps([o.outputs[0].text for o in outs]))
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.split("RESULT", 1)[1].splitlines()[0])
     assert got == final_validation(fsdp1_run)["responses"]
+
+
+def test_completion_knows_rl_export(rl_bin, workdir):
+    """`rl ex<TAB>` offers `export`, and `rl export <TAB>` offers a run root's complete
+    checkpoints first, as resume does."""
+    sub = _run_rl(rl_bin, _bash_protocol("rl ex"), cwd=workdir).stdout.split()
+    assert "export" in sub, sub
+    out = _run_rl(rl_bin, {"RL_CACHE_DIR": str(workdir / ".cache"), **_bash_protocol("rl export ckpt/")},
+                  cwd=workdir).stdout.split()
+    assert out[:2] == ["ckpt/step_20", "ckpt/step_10"], out
+    dtypes = _run_rl(rl_bin, _bash_protocol("rl export ckpt/ --dtype "), cwd=workdir).stdout.split()
+    assert set(dtypes) == {"float32", "bfloat16", "float16"}, dtypes
