@@ -3,6 +3,21 @@
 Prompts are left-padded for generation (positions start at 0 at each prompt's first real
 token), then rows are re-laid right-padded as prompt+response for training, with the
 sampler's per-token log-probs at response positions.
+
+What keeps it fast (``fast=True``, the default; ``fast=False`` is the plain loop, kept as the
+reference the tests and ``bench/train_throughput.py --plain`` compare against):
+
+- one prefill per distinct prompt: the ``n`` samples of a prompt share its prompt KV cache,
+  which is copied ``n`` times after the prefill (``n``x less prefill compute);
+- the prefill computes logits for the last position only (``logits_to_keep=1``);
+- decode cost follows live tokens: rows that produced EOS leave the batch (their KV cache rows,
+  mask and positions are dropped), so later steps compute only on rows still generating;
+- sampling stays on the model's device: on an accelerator a device generator is seeded once per
+  call from the rank's CPU generator, so no token makes a host round trip.
+
+Log-probs are always those of the unmodified sampling distribution (``log_softmax(logits / T)``),
+so they equal what the trainer computes on the same tokens; ``rollout.ignore_eos`` only forbids
+EOS when sampling (fixed-length responses, like HF ``min_new_tokens`` / vLLM ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -25,11 +40,13 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TorchSampler(Sampler):
-    def __init__(self, cfg: RolloutConfig, pad_token_id: int, eos_token_id: int, device: torch.device):
+    def __init__(self, cfg: RolloutConfig, pad_token_id: int, eos_token_id: int, device: torch.device,
+                 fast: bool = True):
         self.cfg = cfg
         self.pad = pad_token_id
         self.eos = eos_token_id
         self.device = device
+        self.fast = fast
         self.last_kv_cache_bytes = 0
 
     @torch.no_grad()
@@ -37,78 +54,140 @@ class TorchSampler(Sampler):
                  greedy: bool = False) -> SequenceBatch:
         rows = [p for p in prompts for _ in range(n)]
         chunk = self.cfg.micro_batch_size or len(rows)
-        parts = [self._generate_chunk(model, rows[i:i + chunk], generator, greedy)
+        if self.fast and chunk >= n:  # whole prompt groups per chunk, so groups share their prefill
+            chunk -= chunk % n
+        gen = _device_generator(generator, self.device) if self.fast else generator
+        self.last_kv_cache_bytes = 0
+        parts = [self._generate_chunk(model, rows[i:i + chunk], generator, gen, greedy)
                  for i in range(0, len(rows), chunk)]
         return SequenceBatch.concat(parts, self.pad) if len(parts) > 1 else parts[0]
 
-    def _generate_chunk(self, model, rows: list[list[int]], generator, greedy: bool) -> SequenceBatch:
+    # ---- one chunk of rows ----------------------------------------------------------------
+    def _generate_chunk(self, model, rows: list[list[int]], generator, dev_gen, greedy: bool) -> SequenceBatch:
         dev, B = self.device, len(rows)
-        P = max(len(r) for r in rows)
-        ids = torch.full((B, P), self.pad, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for i, r in enumerate(rows):
+        # distinct prompts (consecutive runs of the same prompt) and, per row, its prompt
+        if self.fast:
+            uniq, owner = [], []
+            for r in rows:
+                if not uniq or uniq[-1] != r:
+                    uniq.append(r)
+                owner.append(len(uniq) - 1)
+        else:
+            uniq, owner = rows, list(range(B))
+        P = max(len(r) for r in uniq)
+        ids = torch.full((len(uniq), P), self.pad, dtype=torch.long)
+        attn = torch.zeros((len(uniq), P), dtype=torch.long)
+        for i, r in enumerate(uniq):
             ids[i, P - len(r):] = torch.tensor(r)
             attn[i, P - len(r):] = 1
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         temp = max(self.cfg.temperature, 1e-6)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        keep = {"logits_to_keep": 1} if self.fast and _accepts(model, "logits_to_keep") else {}
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep)
         cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+        if len(uniq) != B:  # share the prompt's KV cache with its samples
+            expand = torch.tensor(owner, device=dev)
+            cache.batch_select_indices(expand)
+            logits, attn, pos = logits[expand], attn[expand], pos[expand]
         next_pos = pos[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        tokens, logps, alive = [], [], []
-        for _ in range(self.cfg.max_new_tokens):
-            logp = torch.log_softmax(logits / temp, dim=-1)
+        live = torch.arange(B, device=dev)                      # original row of each current row
+        tokens = torch.full((B, self.cfg.max_new_tokens), self.pad, dtype=torch.long, device=dev)
+        logps = torch.zeros((B, self.cfg.max_new_tokens), device=dev)
+        lengths = torch.full((B,), self.cfg.max_new_tokens, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)     # plain path: rows that already ended
+        kwarg = _cache_kwarg(model)
+        steps = 0
+        for t in range(self.cfg.max_new_tokens):
+            steps = t + 1
+            scaled = logits / temp
+            logp = torch.log_softmax(scaled, dim=-1)
+            if self.cfg.ignore_eos:
+                scaled = scaled.index_fill(-1, torch.tensor([self.eos], device=dev), float("-inf"))
+                logits = logits.index_fill(-1, torch.tensor([self.eos], device=dev), float("-inf"))
             if greedy:
                 tok = logits.argmax(-1)
             else:
-                probs = _top_p_filter(logits / temp, self.cfg.top_p).softmax(-1)
-                tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(dev)
-            tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-            tokens.append(tok)
-            logps.append(torch.where(done, torch.zeros(B, device=dev), logp.gather(-1, tok[:, None]).squeeze(-1)))
-            alive.append(~done)
-            done = done | (tok == self.eos)
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, (~done | (tok == self.eos)).long()[:, None]], dim=1)
-            attn[:, -1] = 1  # the token just sampled is visible to the next step
+                probs = _top_p_filter(scaled, self.cfg.top_p).softmax(-1)
+                if self.fast:
+                    tok = torch.multinomial(probs, 1, generator=dev_gen).squeeze(-1)
+                else:
+                    tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(dev)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            if not self.fast:
+                tok = torch.where(done, torch.full_like(tok, self.pad), tok)
+                tok_lp = torch.where(done, torch.zeros_like(tok_lp), tok_lp)
+            tokens[live, t] = tok
+            logps[live, t] = tok_lp
+            ended = tok == self.eos
+            if self.fast:
+                lengths[live[ended]] = t + 1
+                if t + 1 == self.cfg.max_new_tokens:
+                    break
+                if bool(ended.any()):  # finished rows leave the batch
+                    keep_rows = (~ended).nonzero().squeeze(-1)
+                    if keep_rows.numel() == 0:
+                        break
+                    live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
+                    attn = attn[keep_rows]
+                    cache.batch_select_indices(keep_rows)
+                attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            else:
+                newly = ended & ~done
+                lengths[newly] = t + 1
+                done = done | ended
+                if bool(done.all()) or t + 1 == self.cfg.max_new_tokens:
+                    break
+                attn = torch.cat([attn, (~done | ended).long()[:, None]], dim=1)
+                attn[:, -1] = 1  # the token just sampled is visible to the next step
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                        use_cache=True, **{_cache_kwarg(model): cache})
+                        use_cache=True, **{kwarg: cache})
             cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        self.last_kv_cache_bytes = _cache_bytes(cache)
-        resp = torch.stack(tokens, 1).cpu()
-        resp_lp = torch.stack(logps, 1).cpu()
-        resp_alive = torch.stack(alive, 1).cpu()
-        return self._to_right_padded(rows, resp, resp_lp, resp_alive)
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
+        lengths = lengths.clamp(max=steps)
+        return self._to_right_padded(rows, tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu())
 
-    def _to_right_padded(self, rows, resp, resp_lp, resp_alive) -> SequenceBatch:
+    def _to_right_padded(self, rows, resp, resp_lp, lens_r) -> SequenceBatch:
         B = len(rows)
-        lens_r = resp_alive.sum(-1)
-        T = max(len(r) + int(l) for r, l in zip(rows, lens_r))
+        plen = torch.tensor([len(r) for r in rows])
+        T = int((plen + lens_r).max())
         input_ids = torch.full((B, T), self.pad, dtype=torch.long)
-        attn = torch.zeros((B, T), dtype=torch.long)
-        rmask = torch.zeros((B, T), dtype=torch.float32)
+        col = torch.arange(T)[None, :]
+        attn = (col < (plen + lens_r)[:, None]).long()
+        rmask = ((col >= plen[:, None]) & (attn > 0)).float()
         lp = torch.zeros((B, T), dtype=torch.float32)
         for i, r in enumerate(rows):
-            p, l = len(r), int(lens_r[i])
+            p, n = len(r), int(lens_r[i])
             input_ids[i, :p] = torch.tensor(r)
-            input_ids[i, p:p + l] = resp[i, :l]
-            attn[i, :p + l] = 1
-            rmask[i, p:p + l] = 1.0
-            lp[i, p:p + l] = resp_lp[i, :l]
+            input_ids[i, p:p + n] = resp[i, :n]
+            lp[i, p:p + n] = resp_lp[i, :n]
         return SequenceBatch(input_ids=input_ids, attention_mask=attn, response_mask=rmask,
-                             prompt_lengths=torch.tensor([len(r) for r in rows]), rollout_log_probs=lp)
+                             prompt_lengths=plen, rollout_log_probs=lp)
+
+
+def _device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from the rank's CPU generator (the CPU one itself on CPU)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _accepts(model, name: str) -> bool:
+    import inspect
+
+    fwd = getattr(model, "forward", model)
+    try:
+        return name in inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _cache_kwarg(model) -> str:
     """transformers >= 5.2x renamed past_key_values to cache; accept both."""
-    import inspect
-
-    fwd = getattr(model, "forward", model)
-    params = inspect.signature(fwd).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if _accepts(model, "cache") else "past_key_values"
 
 
 def _returned_cache(out):

@@ -14,6 +14,7 @@ import torch
 from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
+from engine.threads import configure_torch_threads
 
 
 def rss_peak_bytes() -> int:
@@ -30,7 +31,7 @@ class RankWorker:
         self.init_method = init_method
         self.model_path = model_path
         self.vocab = vocab
-        torch.set_num_threads(max(1, threads))
+        configure_torch_threads(threads)
         torch.use_deterministic_algorithms(False)
 
     # ---- setup --------------------------------------------------------------------------

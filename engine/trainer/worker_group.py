@@ -11,6 +11,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
+from engine.threads import rank_env
 from engine.trainer.ray_cluster import get
 
 
@@ -46,7 +47,7 @@ class WorkerGroup:
         gpus = 1 if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()) else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(RankWorker)
         cfg_dict = asdict(cfg)
-        env = {"OMP_NUM_THREADS": str(threads), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        env = {**rank_env(threads), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # passive OpenMP waits: engine/threads.py
         self.actors = [actor.options(runtime_env={"env_vars": env}).remote(cfg_dict, r, n, init, model_path, vocab,
                                                                              threads) for r in range(n)]
         self.info = get([a.setup.remote() for a in self.actors], self.timeout, "the ranks to start")

@@ -1,0 +1,45 @@
+"""CPU threading that stays fast on a busy machine.
+
+Why a step slowed ~45x under modest load: torch's OpenMP worker threads spin-wait (busy loop)
+between parallel regions by default (libgomp ``OMP_WAIT_POLICY=ACTIVE``-like spinning; Intel
+OpenMP ``KMP_BLOCKTIME=200`` ms). When every core is already taken -- by other processes, or by
+the driver, Ray workers and reward code of the same run -- a spinning thread holds a core its
+peer needs to finish the same region, so every barrier waits out a scheduler time slice. With
+passive waiting the threads sleep at barriers and a loaded machine costs only the CPU share
+that the load really takes (measured figures: docs/benchmarks.md, tests/test_busy_machine.py).
+
+The OpenMP runtime reads these variables once, when torch loads it: ``apply_process_defaults``
+must run before ``import torch`` (``import engine`` does it), and rank workers get them in their
+environment from the start (``rank_env``). A value the user already set is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+# passive OpenMP waits (libgomp and Intel OpenMP), set unless the user chose otherwise
+PASSIVE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def apply_process_defaults() -> None:
+    """Passive OpenMP waiting for this process (effective if torch is not imported yet)."""
+    for k, v in PASSIVE_OMP_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def rank_env(threads: int) -> dict[str, str]:
+    """Environment of a rank worker process: its intra-op thread count and passive waits."""
+    env = {k: os.environ.get(k, v) for k, v in PASSIVE_OMP_ENV.items()}
+    return {"OMP_NUM_THREADS": str(max(1, threads)), **env}
+
+
+def configure_torch_threads(threads: int) -> None:
+    """``threads`` intra-op threads and one inter-op thread (ranks run one op stream; extra
+    inter-op threads only compete for the same cores)."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or inter-op work already ran in this process
+        pass
