@@ -37,6 +37,8 @@ class TrainerConfig:
     sample_log_freq: int = _f(10, "every N steps, log sample prompt/response/reward rows (samples.jsonl and "
                               "each logger); 0 = off", min=0)
     sample_log_n: int = _f(4, "how many prompt/response/reward rows each sample log holds", min=1)
+    stop_on_alarm: bool = _f(False, "stop cleanly (with a checkpoint) at the first step that raises an alarm "
+                                    "(see the alarms section)")
 
 
 @dataclass
@@ -197,6 +199,27 @@ class MegatronEngineConfig(EngineConfig):
 
 
 @dataclass
+class AlarmsConfig:
+    """Thresholds of the alarms raised in the step table, metrics.jsonl and the summary
+    (engine/algorithms/alarms.py)."""
+
+    entropy_min: float = _f(0.02, "entropy collapse: policy entropy below this ...", min=0.0)
+    entropy_steps: int = _f(5, "... for this many steps in a row ...", min=1)
+    entropy_reward_max: float = _f(0.9, "... while the mean reward of the last `window` steps is below this",
+                                   min=0.0)
+    truncated_max: float = _f(0.5, "length blow-up: share of responses cut at rollout.max_new_tokens at least "
+                                   "this ...", min=0.0, max=1.0)
+    truncated_rise: float = _f(0.25, "... and risen by at least this over its lowest value in the run ...",
+                               min=0.0, max=1.0)
+    reward_drop: float = _f(0.05, "... while the `window`-step mean reward is this far below its best", min=0.0)
+    rollout_kl_max: float = _f(0.05, "log-prob mismatch: approx KL(rollout || trainer) per token above this",
+                               min=0.0)
+    val_drop: float = _f(0.05, "validation drop: held-out score this far below its best while training "
+                               "reward rose", min=0.0)
+    window: int = _f(10, "steps averaged for the training reward the alarms compare", min=1)
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = _f("ckpt", "run directory: config, metrics and step_N/ checkpoints")
     save_freq: int = _f(20, "save every N steps (and at the end); 0 = only at the end", min=0)
@@ -216,6 +239,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=FSDPEngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
 
 ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": MegatronEngineConfig}

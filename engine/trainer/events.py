@@ -69,6 +69,7 @@ class StepRecord:
     reward_fns: dict = field(default_factory=dict)  # several reward functions: each one's mean (unweighted)
     reward_failures: int = 0                        # reward calls that raised/hung, scored 0 (reward_on_error=zero)
     samples: list = field(default_factory=list)     # SampleRow dicts (only on sample-logging steps)
+    alarms: list = field(default_factory=list)      # alarms that started at this step ({kind, step, message})
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -105,6 +106,8 @@ class RunSummary:
     val_before: float | None = None
     val_after: float | None = None
     tracking: dict = field(default_factory=dict)   # loggers used and the seconds they took
+    alarms: list = field(default_factory=list)      # every alarm raised ({kind, step, message})
+    stopped_by_alarm: str | None = None             # the alarm kind trainer.stop_on_alarm stopped on
 
     @property
     def improvement(self) -> float:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from engine.algorithms.alarms import AlarmMonitor
 from engine.algorithms.dynamic_sampling import Rollout
 from engine.algorithms.estimators import compute_advantages
 from engine.batch import SequenceBatch
@@ -76,6 +77,12 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                     truncate_jsonl(Path(run_dir) / SAMPLES_FILE, start_step)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
                 on_event(_plan(cfg, inputs, workers, start_step, changed or {}, run_dir))
+                monitor = AlarmMonitor(cfg.alarms)
+                if start_step:  # a resumed run's alarms see the steps before the checkpoint too
+                    for row in _rows_up_to(rdir.metrics_path, start_step):
+                        monitor.observe(row)
+                alarms: list[dict] = []
+                stopped_by = None
                 records: list[StepRecord] = []
                 val_before = val_after = None
                 if cfg.trainer.val_freq and start_step == 0:
@@ -93,8 +100,12 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                         rdir.append_validation(v)
                         tracking.on_event(v)  # the CLI shows it in the step's row
                         val_after = v.accuracy if v.accuracy is not None else v.reward
+                    rec.alarms = [a.to_json() for a in monitor.observe(rec.to_json())]
+                    alarms += rec.alarms
+                    if rec.alarms and cfg.trainer.stop_on_alarm:
+                        stopped_by = rec.alarms[0]["kind"]
                     saving = bool(cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0) or \
-                        (last and cfg.checkpoint.save_final)
+                        (last and cfg.checkpoint.save_final) or stopped_by is not None
                     if saving:
                         rec.checkpoint = str(rdir.path / step_dir_name(step))
                     # the step's rows go to disk before its checkpoint: a kill between the two can
@@ -110,6 +121,8 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                             rdir.save(cfg, workers, step, stream)
                         checkpoints.append(rec.checkpoint)
                     records.append(rec)
+                    if stopped_by is not None:
+                        break
             except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
                 raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
             finally:
@@ -124,7 +137,8 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
         steps_run=len(records), first_step=start_step + 1, last_step=start_step + len(records),
         reward_first10=_mean(rewards[:10]), reward_last10=_mean(rewards[-10:]),
         wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
-        checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats())
+        checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats(),
+        alarms=alarms, stopped_by_alarm=stopped_by)
     on_event(summary)
     return summary
 
@@ -365,6 +379,13 @@ def _last_checkpoint_hint(run_dir: Path) -> str:
         return (f"No checkpoint was saved yet: fix the function and start again (`checkpoint.overwrite=true` "
                 f"replaces {run_dir}).")
     return f"The last checkpoint, {latest.path}, is intact: fix the function and continue with `rl resume {run_dir}`."
+
+
+def _rows_up_to(path: Path, step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("step", 0) <= step]
 
 
 def _mean(xs: list[float]) -> float:

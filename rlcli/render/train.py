@@ -79,12 +79,15 @@ class StepPrinter:
     def step(self, rec) -> None:
         if not self.enabled:
             return
-        if rec.step % self.log_freq and rec.checkpoint is None and rec.val_accuracy is None:
+        alarms = getattr(rec, "alarms", None) or []
+        if rec.step % self.log_freq and rec.checkpoint is None and rec.val_accuracy is None and not alarms:
             return
         t = self._table(header=self.rows % 25 == 0)
         t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
         self.console.print(t)
         self.rows += 1
+        for a in alarms:
+            self.console.print(f"  [bold red]ALARM[/] {a['kind']} (step {a['step']}): {a['message']}")
 
     def validation(self, v) -> None:
         if not self.enabled:
@@ -103,6 +106,11 @@ def summary_table(s) -> Table:
     t.add_row("reward, last 10 steps", f"{s.reward_last10:.3f}  ([bold]{s.improvement:.1f}x[/])")
     if s.val_before is not None or s.val_after is not None:
         t.add_row("held-out, before -> after", f"{_f(s.val_before)} -> {_f(s.val_after)}")
+    alarms = getattr(s, "alarms", None) or []
+    if alarms:
+        t.add_row("[red]alarms[/]", "\n".join(f"step {a['step']}: {a['kind']}" for a in alarms))
+    if getattr(s, "stopped_by_alarm", None):
+        t.add_row("[red]stopped[/]", f"by the {s.stopped_by_alarm} alarm (trainer.stop_on_alarm=true)")
     t.add_row("wall time", f"{s.wall_time_s:.1f} s")
     t.add_row("metrics", s.metrics_path)
     for name, where in (s.tracking or {}).get("where", {}).items():

@@ -1,0 +1,96 @@
+"""Alarms for a run that is going wrong, computed from the step records alone.
+
+``AlarmMonitor.observe(row)`` takes one step's metrics (a StepRecord's ``to_json()`` dict,
+or a metrics.jsonl row) and returns the alarms that *start* at that step; an alarm that
+stays true is not repeated until its condition has cleared once. Four kinds:
+
+- ``entropy_collapse``: policy entropy below ``entropy_min`` for ``entropy_steps`` steps in a
+  row while the reward is still below ``entropy_reward_max`` (a policy that solved the task
+  may be near-deterministic; one that stopped exploring below that reward is stuck).
+- ``length_blowup``: the share of responses cut at rollout.max_new_tokens (no EOS) is at
+  least ``truncated_max``, has risen by ``truncated_rise`` over its lowest value so far, and
+  the mean reward of the last ``window`` steps is ``reward_drop`` below its best (longer
+  responses that earn more reward are learning, not blowing up).
+- ``logprob_mismatch``: approx KL between the rollout's token log-probs and the trainer's
+  for the same weights above ``rollout_kl_max`` (sampler/trainer numerics disagree).
+- ``val_drop``: held-out score at least ``val_drop`` below its best while the mean training
+  reward of the last ``window`` steps is above what it was when that best was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Alarm:
+    kind: str
+    step: int
+    message: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AlarmMonitor:
+    cfg: object                      # engine.config.schema.AlarmsConfig
+    low_entropy_run: int = 0
+    truncated_min: float | None = None
+    best_val: float | None = None
+    reward_at_best_val: float | None = None
+    best_recent: float | None = None
+    rewards: list = field(default_factory=list)
+    active: set = field(default_factory=set)
+
+    def observe(self, row: dict) -> list[Alarm]:
+        c = self.cfg
+        step = int(row["step"])
+        self.rewards.append(float(row["reward_mean"]))
+        recent = sum(self.rewards[-c.window:]) / len(self.rewards[-c.window:])
+        self.best_recent = recent if self.best_recent is None else max(self.best_recent, recent)
+        firing: dict[str, str] = {}
+
+        ent = row.get("entropy")
+        if ent is not None and ent < c.entropy_min and recent < c.entropy_reward_max:
+            self.low_entropy_run += 1
+        else:
+            self.low_entropy_run = 0
+        if self.low_entropy_run >= c.entropy_steps:
+            firing["entropy_collapse"] = (
+                f"policy entropy {ent:.4f} has been below {c.entropy_min} for {self.low_entropy_run} steps while "
+                f"the reward ({recent:.3f}) is below {c.entropy_reward_max}: the policy stopped exploring. Try "
+                f"algorithm.entropy_coef>0, a higher rollout.temperature, or algorithm=dapo (clip-higher).")
+
+        tr = row.get("response_clip_frac")
+        if tr is not None:
+            self.truncated_min = tr if self.truncated_min is None else min(self.truncated_min, tr)
+            if tr >= c.truncated_max and tr - self.truncated_min >= c.truncated_rise and \
+                    recent <= self.best_recent - c.reward_drop:
+                firing["length_blowup"] = (
+                    f"{100 * tr:.0f}% of responses are cut at rollout.max_new_tokens (lowest so far "
+                    f"{100 * self.truncated_min:.0f}%) and the reward fell ({self.best_recent:.3f} -> {recent:.3f}): "
+                    f"the policy is losing EOS. Try algorithm.overlong_buffer_len>0 (DAPO's soft overlong penalty) "
+                    f"or a length-aware reward.")
+
+        rkl = row.get("rollout_kl")
+        if rkl is not None and rkl > c.rollout_kl_max:
+            firing["logprob_mismatch"] = (
+                f"approx KL between rollout and trainer log-probs is {rkl:.4f} (> {c.rollout_kl_max}): the sampler "
+                f"and the trainer disagree on the same weights (dtype, sampling params, stale weight sync). Check "
+                f"rollout.verify_sync=true and that rollout.temperature matches.")
+
+        val = row.get("val_accuracy")
+        val = row.get("val_reward") if val is None else val
+        if val is not None:
+            if self.best_val is None or val > self.best_val:
+                self.best_val, self.reward_at_best_val = float(val), recent
+            elif self.best_val - val >= c.val_drop and recent > self.reward_at_best_val:
+                firing["val_drop"] = (
+                    f"held-out score {val:.3f} is {self.best_val - val:.3f} below its best ({self.best_val:.3f}) "
+                    f"while the training reward rose ({self.reward_at_best_val:.3f} -> {recent:.3f}): the policy is "
+                    f"overfitting the training prompts or hacking the reward. Keep the best checkpoint.")
+
+        new = [Alarm(k, step, m) for k, m in firing.items() if k not in self.active]
+        self.active = set(firing)
+        return new
