@@ -53,7 +53,7 @@ class DataConfig:
 @dataclass
 class TaskConfig:
     name: str = _f("echo", "built-in task, or dataset (jsonl/parquet: the same loader) for your own data",
-                   choices=["echo", "add", "arith", "dataset", "jsonl", "parquet"])
+                   choices=["echo", "add", "arith", "sort", "dataset", "jsonl", "parquet"])
     path: str = _f("", "dataset: a Parquet/JSONL/JSON/Arrow file, a save_to_disk or data-file directory, or a "
                        "dataset name in the local Hugging Face cache")
     format: str = _f("auto", "dataset row layout: text (prompt + answer columns), verl (chat prompt, "

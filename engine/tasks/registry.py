@@ -18,5 +18,8 @@ def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "arith":
         from engine.tasks.arith import make_arith_task
         return make_arith_task(cfg, seed)
+    if cfg.name == "sort":
+        from engine.tasks.sort_digits import make_sort_task
+        return make_sort_task(cfg, seed)
     from engine.tasks.dataset import make_dataset_task
     return make_dataset_task(cfg, seed)
