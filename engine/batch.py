@@ -24,6 +24,7 @@ class SequenceBatch:
     rollout_log_probs [B, T] float, log p(token_t | <t) from the sampler at position t (0 elsewhere)
     advantages       [B, T] float (set by the algorithm)
     old_log_probs / ref_log_probs [B, T] float (set before the update)
+    values / returns [B, T] float (PPO: the critic's values and GAE targets)
     """
 
     input_ids: torch.Tensor
@@ -34,6 +35,8 @@ class SequenceBatch:
     advantages: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None      # PPO: the critic's V(tokens < t) before the update
+    returns: Optional[torch.Tensor] = None     # PPO: GAE value targets
     extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -43,6 +43,7 @@ class FSDPEngine(TrainEngine):
         self.optimizer = None
         self._scheduler = None
         self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
+        self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -276,7 +277,10 @@ class FSDPEngine(TrainEngine):
                                             options=StateDictOptions(flatten_optimizer_state_dict=True))
         if self.lora_reference is not None:  # adapters only; the manifest names the base model and its hash
             model_sd = {k: v for k, v in model_sd.items() if "lora_" in k}
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"] = self.critic.checkpoint_state()
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -285,6 +289,8 @@ class FSDPEngine(TrainEngine):
                        optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=True,
                                                 strict=self.lora_reference is None))
+        if self.critic is not None:
+            self.critic.load_checkpoint_state(state["critic"])
 
     def optimizer_coverage(self) -> dict[str, bool]:
         names = {id(p): n for n, p in self.model.named_parameters()}

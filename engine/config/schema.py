@@ -125,7 +125,7 @@ class OptimConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = _f("grpo", "advantage estimator (docs/algorithms.md)",
-                   choices=["grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo"])
+                   choices=["grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo", "ppo"])
     rollout_n: int = _f(8, "samples per prompt (the GRPO group size)", min=1)
     norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)")
     clip_ratio_low: float = _f(0.2, "PPO clip: lower bound is 1 - this", min=0.0)
@@ -199,6 +199,19 @@ class MegatronEngineConfig(EngineConfig):
 
 
 @dataclass
+class CriticConfig:
+    """The value model of algorithm=ppo (engine/backends/critic.py)."""
+
+    model_path: str = _f("", "model directory for the critic; empty = a copy of the policy's initial network")
+    lr: float = _f(1e-2, "critic AdamW learning rate (constant)", min=0.0)
+    weight_decay: float = _f(0.0, "critic AdamW weight decay", min=0.0)
+    grad_clip: float = _f(1.0, "clip the critic's global gradient norm to this; 0 = off", min=0.0)
+    cliprange_value: float = _f(0.5, "value clipping: new values stay within this of the pre-update values",
+                                min=0.0)
+    warmup_steps: int = _f(0, "RL steps that train only the critic before the policy starts updating", min=0)
+
+
+@dataclass
 class AlarmsConfig:
     """Thresholds of the alarms raised in the step table, metrics.jsonl and the summary
     (engine/algorithms/alarms.py)."""
@@ -239,6 +252,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=FSDPEngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
 

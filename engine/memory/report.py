@@ -27,7 +27,8 @@ CATEGORY_HELP = {
 }
 
 # Phases of one RL step, in order.
-PHASES = ("rollout", "old_log_probs", "ref_log_probs", "update", "weight_sync", "offload", "onload")
+PHASES = ("rollout", "old_log_probs", "ref_log_probs", "values", "update", "critic_update", "weight_sync", "offload",
+          "onload")  # values / critic_update: algorithm=ppo's critic
 
 OFFLOAD_MODES = ("none", "param", "optimizer", "both")
 

@@ -26,6 +26,10 @@ def sort_reward(prompt: str, response: str, answer: str) -> float:
     return 0.5 * hits / max(len(answer), len(resp), 1)
 
 
+def sort_correct(prompt: str, response: str, answer: str) -> bool:
+    return response.strip() == answer
+
+
 def make_sort_task(cfg: TaskConfig, seed: int) -> Task:
     """Held-out prompts are drawn first; training prompts never repeat a held-out digit string."""
     rng = random.Random(seed)
@@ -41,5 +45,5 @@ def make_sort_task(cfg: TaskConfig, seed: int) -> Task:
         e = sample()
         if e.prompt not in held_out:
             train.append(e)
-    return Task("sort", train, val, sort_reward, correct=lambda p, r, a: r.strip() == a,
+    return Task("sort", train, val, sort_reward, correct=sort_correct,
                 alphabet=string.digits + ":")

@@ -173,10 +173,13 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
 
         batch.ref_log_probs = workers.log_probs(batch, ref=True)
         kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
+    ppo = cfg.algorithm.name == "ppo"
+    if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
+        batch.values = workers.values(batch)
     timing["log_probs"] = time.perf_counter() - t
-    est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok,
+    est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok, values=batch.values,
                              max_len=cfg.rollout.max_new_tokens)
-    batch.advantages = est.advantages
+    batch.advantages, batch.returns = est.advantages, est.returns
     kl_reward = est.metrics.get("kl_reward") if kl_tok is not None and not cfg.algorithm.use_kl_loss else None
 
     # 4. old log-probs
@@ -187,7 +190,9 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         batch.old_log_probs = workers.log_probs(batch, ref=False)
     timing["log_probs"] += time.perf_counter() - t
 
-    # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each
+    # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each;
+    # PPO: a critic step on each mini-batch too, and only the critic during critic.warmup_steps
+    update_policy = not ppo or step > cfg.critic.warmup_steps
     t = time.perf_counter()
     totals: dict[str, float] = {}
     tokens = padded = 0
@@ -197,13 +202,15 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     for _epoch in range(cfg.algorithm.ppo_epochs):
         for start in range(0, len(batch), rows_per_mini):
             mb = batch.select(slice(start, start + rows_per_mini))
-            res = workers.train_step(mb)
-            for k, v in res.metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
-            tokens += res.tokens
-            padded += res.padded_tokens
-            shapes.update(res.shapes)
-            peak = max(peak, res.rss_peak)
+            results = ([workers.critic_train_step(mb)] if ppo else []) + \
+                ([workers.train_step(mb)] if update_policy else [])
+            for res in results:
+                for k, v in res.metrics.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                tokens += res.tokens
+                padded += res.padded_tokens
+                shapes.update(res.shapes)
+                peak = max(peak, res.rss_peak)
     timing["update"] = time.perf_counter() - t
 
     # 6. offload between steps (as configured) and collect every rank's memory records
@@ -216,6 +223,9 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         per_update["kl"] = kl_reward
     resp_tokens = float(batch.response_mask.sum())
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
+    algo.update({k: v for k, v in per_update.items() if k.startswith("value_")})
+    if ppo:
+        algo["policy_updated"] = update_policy
     if sampling is not None:
         algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
     lengths = batch.response_mask.sum(-1)

@@ -48,10 +48,15 @@ class RankWorker:
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
+        models = {"policy": self.engine.model}
+        if self.cfg.algorithm.name == "ppo":  # the engine checkpoints it with its own state
+            from engine.backends.critic import FSDPCritic
+
+            self.engine.critic = FSDPCritic(self.cfg, self.engine)
+            models["critic"] = self.engine.critic.model
         from engine.memory.tracker import MemoryTracker
 
-        self.tracker = MemoryTracker(self.device, rank=self.rank, models={"policy": self.engine.model},
-                                     optimizer=self.engine.optimizer)
+        self.tracker = MemoryTracker(self.device, rank=self.rank, models=models, optimizer=self.engine.optimizer)
         self.engine.tracker = self.tracker
         self.step = 0
         self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
@@ -145,6 +150,19 @@ class RankWorker:
         self._weights_stale = not self.sampler.reads_live_model
         return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
+
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        """PPO: the critic's V(tokens < t) on the response tokens (no grad)."""
+        with self.tracker.phase("values", self.step):
+            return self.engine.critic.compute_values(batch)
+
+    def critic_train_step(self, batch: SequenceBatch) -> dict:
+        """PPO: one critic optimizer step (batch carries values and returns)."""
+        t0 = time.perf_counter()
+        with self.tracker.phase("critic_update", self.step):
+            out = self.engine.critic.train_step(batch)
+        return out | {"tokens": 0, "padded_tokens": 0, "shapes": [], "time": time.perf_counter() - t0,
+                      "rss_peak": rss_peak_bytes()}
 
     def offload(self) -> dict:
         """End of step: offload as configured, and hand back this step's memory records."""

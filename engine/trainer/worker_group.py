@@ -94,6 +94,26 @@ class WorkerGroup:
         outs = self._all("train_step", self._dp_args(shards), "the policy update")
         return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        """PPO: the critic's values [B, T], gathered from the data-parallel ranks."""
+        slices = shard_slices(len(batch), self.dp_size)
+        shards = [batch.select(s) for s in slices]
+        out = self._all("values", self._dp_args(shards), "the critic's values")
+        full = torch.zeros(len(batch), batch.input_ids.shape[1])
+        for d, s in enumerate(slices):
+            v = out[self.dp_leaders[d]]
+            full[s, :v.shape[1]] = v
+        return full
+
+    def critic_train_step(self, batch: SequenceBatch):
+        """PPO: one critic optimizer step on every rank; combined like train_step."""
+        from engine.trainer.rank_results import combine_update
+
+        slices = shard_slices(len(batch), self.dp_size)
+        shards = [batch.select(s) for s in slices]
+        outs = self._all("critic_train_step", self._dp_args(shards), "the critic update")
+        return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
+
     def save(self, run_dir: str, step: int) -> dict:
         """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler)."""
         return self._all("save", [(run_dir, step)] * len(self.actors), "the checkpoint save")[0]
