@@ -12,6 +12,9 @@ import re
 
 _RL_PREFIXES = (
     ("model.", "model"),
+    ("critic.model.", "critic model"),            # algorithm=ppo (engine/backends/critic.py)
+    ("critic.optim.state.", "critic optimizer state"),
+    ("critic.optim.param_groups.", "critic optimizer param groups"),
     ("optim.state.", "optimizer state"),
     ("optim.param_groups.", "optimizer param groups"),
     ("rng.", "rng"),

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 # Order in which groups are listed; names a reader may assign to an entry.
-GROUPS = ("model", "optimizer state", "optimizer param groups", "rng", "scheduler", "data", "other")
+GROUPS = ("model", "optimizer state", "optimizer param groups", "critic model", "critic optimizer state",
+          "critic optimizer param groups", "rng", "scheduler", "data", "other")
 
 
 @dataclass

@@ -511,9 +511,21 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
             logits=logits_eval, fp8_workspaces=fp8)
     add("update", params=params + gather + (0 if param_offload else ref), grads=grads, optimizer=optimizer,
         activations=activations, logits=logits_train, fp8_workspaces=fp8)
+    critic = 0
+    if run_cfg.algorithm.name == "ppo":  # engine/backends/critic.py: a copy of the network, own AdamW, never offloaded
+        critic, critic_opt = params, optimizer
+        f["params"] += " + critic (a copy of the policy network with a value head; resident in every phase)"
+        f["optimizer"] += " + the critic's AdamW state (same size)"
+        for ph in phases:
+            ph.categories["params"] += critic
+            ph.categories["optimizer"] += critic_opt
+            ph.total += critic + critic_opt
+        add("critic_update", params=critic + gather + (0 if param_offload else params + ref), grads=grads,
+            optimizer=critic_opt + resident_opt, activations=activations, fp8_workspaces=resident_fp8)
+        optimizer += critic_opt
     peak = max(phases, key=lambda p: p.total)
     host = (params + ref if param_offload else 0) + (optimizer if optimizer_offload else 0)
-    per_rank = {"params": params + gather + ref, "grads": grads, "optimizer": optimizer,
+    per_rank = {"params": params + gather + ref + critic, "grads": grads, "optimizer": optimizer,
                 "activations": activations, "logits": logits_train, "fp8_workspaces": fp8, "kv_cache": kv}
     assumptions = {
         "seq_len": sh.seq_len, "sequences_per_rank_per_step": sh.seqs_per_step,

@@ -48,15 +48,16 @@ class RankWorker:
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
-        models = {"policy": self.engine.model}
+        models, optimizers = {"policy": self.engine.model}, [self.engine.optimizer]
         if self.cfg.algorithm.name == "ppo":  # the engine checkpoints it with its own state
             from engine.backends.critic import FSDPCritic
 
             self.engine.critic = FSDPCritic(self.cfg, self.engine)
             models["critic"] = self.engine.critic.model
+            optimizers.append(self.engine.critic.optimizer)
         from engine.memory.tracker import MemoryTracker
 
-        self.tracker = MemoryTracker(self.device, rank=self.rank, models=models, optimizer=self.engine.optimizer)
+        self.tracker = MemoryTracker(self.device, rank=self.rank, models=models, optimizer=optimizers)
         self.engine.tracker = self.tracker
         self.step = 0
         self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
