@@ -74,8 +74,8 @@ class PolicyLoss:
         total = agg(pg)
         metrics = {"pg_loss": agg(pg).item(), "clip_frac": agg(clipped).item()}
         if mb.rollout_log_probs is not None:  # how far the sampler's log-probs are from the trainer's
-            with torch.no_grad():  # against the pre-update policy (`old`), so later mini-batches measure no drift
-                metrics["rollout_kl"] = agg(kl_penalty(mb.rollout_log_probs, old.detach(), "k3")).item()
+            with torch.no_grad():
+                metrics["rollout_kl"] = agg(kl_penalty(mb.rollout_log_probs, log_p.detach(), "k3")).item()
         if c.kl_coef > 0 and c.use_kl_loss and mb.ref_log_probs is not None:
             kl = agg(kl_penalty(log_p, mb.ref_log_probs, c.kl_type))
             total = total + c.kl_coef * kl
