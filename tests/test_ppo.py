@@ -110,3 +110,11 @@ def test_resume_with_a_critic_is_bit_exact(tmp_path):
         assert [x[key] for x in a] == [x[key] for x in b], key
     assert [x["algo"]["value_loss"] for x in a] == [x["algo"]["value_loss"] for x in b]
     assert [x["algo"]["policy_updated"] for x in a] == [False, True, True, True]
+
+
+def test_ppo_on_megatron_is_refused_at_config_time():
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="only the fsdp engine"):
+        load_run_config(["algorithm=ppo", "engine=megatron"])
