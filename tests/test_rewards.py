@@ -220,3 +220,28 @@ def test_slow_reward_scores_the_same_in_the_pool(mod):
         assert pool.score(s).total == runner([spec(f"{mod}:slow")]).score(s).total
     finally:
         pool.close()
+
+
+def test_closing_the_pool_never_waits_on_a_hung_call(mod):
+    """A run that stops while a reward call hangs (no timeout set): close() kills the worker
+    instead of waiting for it."""
+    import threading
+
+    r = runner([spec(f"{mod}:hangs")], workers=1)
+    r._pool._ensure()
+    procs = list(r._pool._pool._processes.values())
+    errors = []
+
+    def score():
+        try:
+            r.score(SAMPLES[3:])  # hangs: no timeout
+        except RewardError as e:
+            errors.append(e.message)
+
+    t = threading.Thread(target=score, daemon=True)
+    t.start()
+    t.join(timeout=1)
+    r._pool.close(grace_s=1)
+    assert procs and not any(p.is_alive() for p in procs)
+    t.join(timeout=30)
+    assert errors and "the reward worker process died" in errors[0]  # the waiting scorer is told, not left hanging

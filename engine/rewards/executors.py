@@ -102,10 +102,20 @@ class ProcessPool:
         for p in procs:
             p.join(timeout=5)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop the workers: idle ones exit; one still inside a call (a hung reward, an
+        interrupted run) is killed after ``grace_s``, so closing never blocks on user code."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        procs = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
 
     def run(self, calls: list[Call], timeout_s: float, stop_on_failure: bool) -> list:
         out: list = [None] * len(calls)
