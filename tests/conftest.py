@@ -1,4 +1,6 @@
-"""Shared test settings: small thread counts (CI has 2 cores) and Ray bound to loopback."""
+"""Shared test settings: small thread counts (CI has 2 cores), a local Ray bound to loopback,
+and no inherited RAY_ADDRESS (a developer's cluster must not be joined by the tests; the tests
+that join one set it themselves)."""
 
 import os
 
@@ -7,3 +9,4 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("RAY_ADDRESS", None)

@@ -1,41 +1,177 @@
-"""Start (or join) Ray for a run: local clusters bind 127.0.0.1 only, no dashboard, and are
-shut down on exit and on Ctrl-C. Every remote call goes through ``get`` with a timeout."""
+"""Start a private Ray for a local run, or join a cluster when asked; every remote call goes
+through ``get`` with a timeout.
+
+Which Ray a run uses (decided by ``resolve_address``, said in the run's plan):
+- ``trainer.ray_address=""`` and no ``RAY_ADDRESS`` in the environment: a private local Ray
+  (``ray.init(address="local")``), never whatever cluster /tmp/ray/ray_current_cluster records.
+- ``trainer.ray_address=""`` and ``RAY_ADDRESS`` set: that cluster is joined (honoured, as in a
+  ``ray job submit -- rl train ...`` entrypoint, where Ray sets it). ``trainer.ray_address=local``
+  forces a private Ray even then.
+- ``trainer.ray_address=auto|host:6379|ray://host:10001``: joins that cluster.
+
+A local Ray binds 127.0.0.1 only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read by Ray when it is
+imported, and by every Ray process it starts) makes Ray's servers listen on loopback. That
+setting makes ``ray start --address`` refuse to join a cluster, so it is set only for local runs
+(and clusters at a loopback address, which live on this machine) and removed from the
+environment of a driver that joins a cluster at a network address. A watchdog (``ray_reaper.py``)
+ends the local Ray's processes if the driver dies without shutting it down (SIGKILL).
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import subprocess
 import sys
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 from engine.errors import UserError
 
-# Without this, Ray binds the machine's network address even when given 127.0.0.1.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+LOCAL_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+@dataclass(frozen=True)
+class RayTarget:
+    address: str      # "" = a private local Ray; otherwise what ray.init(address=...) gets
+    source: str       # "local", "trainer.ray_address" or "RAY_ADDRESS"
+
+    @property
+    def local(self) -> bool:
+        return not self.address
+
+    @property
+    def loopback(self) -> bool:
+        """A private Ray, or a cluster whose address is on this machine's loopback (one machine:
+        keep Ray on 127.0.0.1; joining it with the setting removed would make Ray rewrite
+        127.0.0.1 to the machine's network address)."""
+        if self.local:
+            return True
+        address = self.address
+        if address == "auto":
+            from ray._common.utils import get_ray_address_file  # noqa: PLC0415 - only when joining
+
+            try:
+                address = Path(get_ray_address_file(None)).read_text().strip()
+            except OSError:
+                return False
+        host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    def describe(self) -> str:
+        if self.local:
+            return "private local Ray on 127.0.0.1"
+        return f"Ray cluster at {self.address} (from {self.source})"
+
+
+def resolve_address(configured: str, environ=os.environ) -> RayTarget:
+    """Which Ray the run uses: see the module docstring."""
+    configured = configured.strip()
+    if configured == "local":
+        return RayTarget("", "local")
+    if configured:
+        return RayTarget(configured, "trainer.ray_address")
+    env = environ.get("RAY_ADDRESS", "").strip()
+    if env and env != "local":
+        return RayTarget(env, "RAY_ADDRESS")
+    return RayTarget("", "local")
+
+
+def _set_local_only(local: bool) -> None:
+    """Local runs (and clusters on loopback): Ray binds loopback (set before Ray is imported;
+    also patched into an already-imported Ray, whose constant was read at import). Drivers
+    joining a cluster of several machines: unset."""
+    if local:
+        os.environ[LOCAL_ONLY_VAR] = "0"
+    elif os.environ.get(LOCAL_ONLY_VAR) == "0":
+        del os.environ[LOCAL_ONLY_VAR]
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = not local
+
+
 @contextmanager
 def ray_cluster(address: str, num_cpus: int):
+    """Yield ``(ray, target)`` with Ray started (local) or joined (cluster); on exit, shut down
+    what this call started."""
+    target = resolve_address(address)
+    _set_local_only(target.loopback)
     import ray
 
-    started = False
+    started, reaper = False, None
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # worker lines to a pipe or log: no ANSI colours
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if not ray.is_initialized():
-        kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
-                      configure_logging=True)
-        if address:
-            ray.init(address=address, **kwargs)
+        kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True, configure_logging=True)
+        if target.local:
+            saved = os.environ.pop("RAY_ADDRESS", None)  # never inherited by the private Ray's processes
+            try:
+                t0 = time.time()
+                ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+            finally:
+                if saved is not None:
+                    os.environ["RAY_ADDRESS"] = saved
+            reaper = start_reaper(ray, since=t0)
         else:
-            ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+            try:
+                ray.init(address=target.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise UserError(f"Could not join the {target.describe()}: {e}. Check that the cluster is "
+                                f"running (`ray status --address ...`) and reachable from this machine, or "
+                                f"leave trainer.ray_address empty (and RAY_ADDRESS unset) for a local run.",
+                                title="ray cluster") from None
         started = True
     try:
-        yield ray
+        yield ray, target
     finally:
         if started:
             ray.shutdown()
+        if reaper is not None:
+            reaper.release()
+
+
+class Reaper:
+    """Handle on the watchdog process: closing our end of its pipe tells it the driver is done."""
+
+    def __init__(self, proc: subprocess.Popen, write_fd: int):
+        self.proc, self.write_fd = proc, write_fd
+
+    def release(self, wait_s: float = 30.0) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_reaper(ray, since: float) -> Reaper | None:
+    """Start the watchdog for the local Ray session just started (see ray_reaper.py)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    session_dir = node.get_session_dir_path() if node is not None else ""
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("ray_reaper.py")), str(os.getpid()), str(read_fd),
+             session_dir, repr(since)],
+            pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError:
+        os.close(read_fd)
+        os.close(write_fd)
+        return None
+    os.close(read_fd)
+    return Reaper(proc, write_fd)
 
 
 def get(refs, timeout_s: float, what: str):

@@ -22,29 +22,58 @@ def rss_peak_bytes() -> int:
 
 
 class RankWorker:
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, init_method: str, model_path: str,
-                 vocab: dict, threads: int):
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, model_path: str, vocab: dict, threads: int):
         from engine.config.validate import build_run_config
 
         self.cfg: RunConfig = build_run_config(cfg_dict)
         self.rank, self.world_size = rank, world_size
-        self.init_method = init_method
+        self._store_fd = None
         self.model_path = model_path
         self.vocab = vocab
         configure_torch_threads(threads)
         torch.use_deterministic_algorithms(False)
 
     # ---- setup --------------------------------------------------------------------------
-    def setup(self) -> dict:
+    def placement(self) -> dict:
+        """Where Ray put this rank: node id and address, host name, pid."""
+        import socket
+
+        import ray
+
+        from engine.trainer.rendezvous import node_address
+
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
+                "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: bind the process group's store socket on this node's address; (host, port)."""
+        from engine.trainer.rendezvous import node_address, open_store_socket
+
+        host = node_address()
+        self._store_fd, port = open_store_socket(host)
+        return host, port
+
+    def check_shared_dir(self, marker: str, token: str) -> str:
+        """'' when ``marker`` (written by the driver) holds ``token`` here, else what this rank saw."""
+        try:
+            seen = Path(marker).read_text()
+        except OSError as e:
+            return f"cannot read {marker}: {e.strerror or e}"
+        return "" if seen == token else f"{marker} holds another run's marker"
+
+    def setup(self, store_host: str, store_port: int) -> dict:
         import torch.distributed as dist
 
         from engine.device import dist_backend, resolve_device
+        from engine.trainer.rendezvous import make_store, node_address, pin_interfaces
 
         self.device = resolve_device(self.cfg.trainer.device, self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(dist_backend(self.device), init_method=self.init_method,
-                                rank=self.rank, world_size=self.world_size)
+        pin_interfaces(node_address())
+        store = make_store(store_host, store_port, self.rank, self.world_size, self._store_fd,
+                           self.cfg.trainer.ray_timeout_s)
+        dist.init_process_group(dist_backend(self.device), store=store, rank=self.rank, world_size=self.world_size)
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()

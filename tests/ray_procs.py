@@ -1,0 +1,126 @@
+"""Helpers for tests that start real Ray processes and `rl train` subprocesses: find them,
+wait on observed events (never a bare sleep), and end exactly what a test started (never
+`ray stop`, which ends every Ray on the machine, other people's included)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rl_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "rlcli.main", *args]
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(REPO))
+    env["OMP_NUM_THREADS"] = "1"
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_loopback(ip: str) -> bool:
+    a = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return a.is_loopback
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.5):
+    """Poll ``predicate`` until truthy; fail naming ``what`` after ``timeout_s`` or when
+    ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}:\n{out[-4000:]}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def processes_naming(text: str) -> list[psutil.Process]:
+    """Processes whose command line mentions ``text`` (e.g. a test's private Ray temp dir),
+    with all their descendants (Ray's agents rename themselves and do not mention it)."""
+    found = {}
+    me = psutil.Process()
+    mine = {me.pid} | {p.pid for p in me.parents()}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid not in mine and any(text in a for a in (p.info["cmdline"] or [])):
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+        except psutil.Error:
+            pass
+    return list(found.values())
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def kill_all(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
+    for p in alive(procs):
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, still = psutil.wait_procs(alive(procs), timeout=grace_s)
+    for p in still:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive(procs), timeout=grace_s)
