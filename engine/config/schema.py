@@ -28,7 +28,13 @@ class TrainerConfig:
     seed: int = _f(0, "seeds model init, data order and sampling on every rank")
     val_freq: int = _f(0, "validate (greedy, held-out split) every N steps, plus before and after; 0 = off", min=0)
     log_freq: int = _f(1, "print a step row every N steps", min=1)
-    ray_address: str = _f("", "Ray cluster to join (ray.init(address=...)); empty starts a local one on 127.0.0.1")
+    ray_address: str = _f("", "Ray cluster to join: auto, host:6379 or ray://host:10001; empty = RAY_ADDRESS if "
+                              "set, else a private local Ray on 127.0.0.1; local = always the private one")
+    nnodes: int = _f(0, "nodes the ranks span, ranks_per_node on each (one STRICT_SPREAD bundle per node); "
+                        "0 = no constraint: one bundle per rank, placed by trainer.placement", min=0)
+    ranks_per_node: int = _f(0, "ranks on each node when nnodes > 0; 0 = nprocs / nnodes", min=0)
+    placement: str = _f("PACK", "Ray placement-group strategy for the per-rank bundles (nnodes=0)",
+                        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     ray_timeout_s: float = _f(600.0, "seconds any single Ray call may take before the run is aborted", min=1.0)
     threads_per_rank: int = _f(0, "torch intra-op threads per rank; 0 = CPU cores divided by nprocs", min=0)
     loggers: list = _f(["console", "jsonl"], "where metrics go: any of console, jsonl (metrics.jsonl), tensorboard, "

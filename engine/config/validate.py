@@ -212,6 +212,16 @@ def check_cross_field(cfg: RunConfig) -> None:
     if lora.rank and cfg.engine.name != "fsdp":
         raise ConfigError(f"LoRA (model.lora.rank={lora.rank}) runs on the FSDP engine only; use --engine fsdp or "
                           f"set model.lora.rank=0.", title="invalid config")
+    t = cfg.trainer
+    if t.ranks_per_node and not t.nnodes:
+        raise ConfigError(f"`trainer.ranks_per_node={t.ranks_per_node}` needs `trainer.nnodes` (the number of nodes "
+                          f"to spread over); set trainer.nnodes={max(1, t.nprocs // t.ranks_per_node)} or drop "
+                          f"trainer.ranks_per_node.", title="invalid config")
+    if t.nnodes and t.nnodes * (t.ranks_per_node or t.nprocs // t.nnodes) != t.nprocs:
+        raise ConfigError(f"`trainer.nprocs` ({t.nprocs}) must equal trainer.nnodes ({t.nnodes}) x "
+                          f"trainer.ranks_per_node ({t.ranks_per_node or 'nprocs / nnodes'}). Set trainer.nprocs="
+                          f"{t.nnodes * max(1, t.ranks_per_node or t.nprocs // t.nnodes)} or change the node layout.",
+                          title="invalid config")
     e = cfg.engine
     from engine.batching.validate import validate_run_padding
 

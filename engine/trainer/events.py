@@ -25,6 +25,8 @@ class RunPlan:
     changed_from: str = "default"   # what `before` in `changed` is: "default" or "checkpoint"
     data: str = ""                  # dataset tasks: source, detected format, dropped prompts
     reward: str = ""                # reward functions, weights, workers
+    ray: str = ""                   # which Ray the run uses (private local, or the cluster and why)
+    placement: list = field(default_factory=list)  # per rank: node_id, node_ip, hostname, pid
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -70,6 +72,7 @@ class StepRecord:
     reward_failures: int = 0                        # reward calls that raised/hung, scored 0 (reward_on_error=zero)
     samples: list = field(default_factory=list)     # SampleRow dicts (only on sample-logging steps)
     alarms: list = field(default_factory=list)      # alarms that started at this step ({kind, step, message})
+    driver_bytes: dict = field(default_factory=dict)  # {"sent", "received"}: pickled bytes of the step's rank calls
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -108,6 +111,7 @@ class RunSummary:
     tracking: dict = field(default_factory=dict)   # loggers used and the seconds they took
     alarms: list = field(default_factory=list)      # every alarm raised ({kind, step, message})
     stopped_by_alarm: str | None = None             # the alarm kind trainer.stop_on_alarm stopped on
+    placement: list = field(default_factory=list)   # per rank: node_id, node_ip, hostname, pid
 
     @property
     def improvement(self) -> float:

@@ -65,9 +65,9 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
     try:
         if resume is None:
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
-        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1):
+        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1) as (_, ray_target):
             with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
-                workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab)
+                workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab, run_dir)
             try:
                 if resume is not None:
                     step_dir = Path(resume.step_dir)
@@ -76,7 +76,9 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                         start_step = resume.apply(workers, stream)
                     truncate_jsonl(Path(run_dir) / SAMPLES_FILE, start_step)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
-                on_event(_plan(cfg, inputs, workers, start_step, changed or {}, run_dir))
+                plan = _plan(cfg, inputs, workers, start_step, changed or {}, run_dir)
+                plan.ray, plan.placement = ray_target.describe(), workers.placement
+                on_event(plan)
                 monitor = AlarmMonitor(cfg.alarms)
                 if start_step:  # a resumed run's alarms see the steps before the checkpoint too
                     for row in _rows_up_to(rdir.metrics_path, start_step):
@@ -92,7 +94,9 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
                     emit(v)
                 checkpoints = []
                 for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+                    workers.take_bytes()
                     rec = rl_step(cfg, inputs, workers, stream, step)
+                    rec.driver_bytes = workers.take_bytes()
                     last = step == cfg.trainer.total_steps
                     if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
                         v = _validate_phase(cfg, inputs, workers, step, emit)
@@ -138,7 +142,8 @@ def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, 
         reward_first10=_mean(rewards[:10]), reward_last10=_mean(rewards[-10:]),
         wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
         checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats(),
-        alarms=alarms, stopped_by_alarm=stopped_by)
+        alarms=alarms, stopped_by_alarm=stopped_by,
+        placement=workers.placement)
     on_event(summary)
     return summary
 

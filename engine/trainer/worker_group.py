@@ -1,24 +1,31 @@
-"""The driver's handle on all rank workers: start them as Ray actors in one process group,
-scatter a batch over data-parallel ranks, gather results back in order."""
+"""The driver's handle on all rank workers: place them with a Ray placement group, start them
+in one process group (meeting at rank 0's node address), scatter a batch over data-parallel
+ranks, gather results back in order, and name the rank and node when one is lost."""
 
 from __future__ import annotations
 
 import os
-import socket
+import pickle
+import secrets
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
+from engine.errors import UserError
 from engine.threads import rank_env
 from engine.trainer.ray_cluster import get
 
+LOST_GRACE_S = 60.0  # after one rank fails, how long to wait for Ray to report which rank was lost
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+class RankLost(UserError):
+    """A rank's process or node went away mid-run (not bad input: exit 1, no traceback)."""
+
+    exit_code = 1
 
 
 def shard_slices(n: int, parts: int) -> list[slice]:
@@ -32,34 +39,134 @@ def shard_slices(n: int, parts: int) -> list[slice]:
     return out
 
 
-class WorkerGroup:
-    def __init__(self, cfg: RunConfig, model_path: str, vocab: dict):
-        import ray
+def wire_bytes(obj) -> int:
+    """Size of ``obj`` as pickled (what Ray serialises for an actor call's argument or result)."""
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
+
+class WorkerGroup:
+    def __init__(self, cfg: RunConfig, model_path: str, vocab: dict, run_dir: Path | None = None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from engine.trainer.placement import create_placement_group, plan_placement
         from engine.trainer.worker import RankWorker
 
         self.cfg = cfg
         self.model_path = model_path  # the resolved local directory ("" = tiny built-in model)
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.checkpoint.dir)
         self.timeout = cfg.trainer.ray_timeout_s
-        n = cfg.trainer.nprocs
-        threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
-        init = f"tcp://127.0.0.1:{free_port()}"
-        gpus = 1 if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()) else 0
-        actor = ray.remote(num_cpus=1, num_gpus=gpus)(RankWorker)
+        self.bytes_sent = self.bytes_received = 0
+        t = cfg.trainer
+        n = t.nprocs
+        threads = t.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
+        gpus = 1 if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else 0
+        self.plan = plan_placement(n, t.nnodes, t.ranks_per_node, t.placement, gpus)
+        self.pg = create_placement_group(self.plan, self.timeout)
+        actor = ray.remote(num_cpus=self.plan.rank_resources["CPU"], num_gpus=gpus)(RankWorker)
         cfg_dict = asdict(cfg)
-        env = {**rank_env(threads), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # passive OpenMP waits: engine/threads.py
-        self.actors = [actor.options(runtime_env={"env_vars": env}).remote(cfg_dict, r, n, init, model_path, vocab,
-                                                                             threads) for r in range(n)]
-        self.info = get([a.setup.remote() for a in self.actors], self.timeout, "the ranks to start")
+        env = rank_env(threads)  # passive OpenMP waits: engine/threads.py
+        self.actors = [
+            actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=self.plan.bundle_of_rank[r])
+            ).remote(cfg_dict, r, n, model_path, vocab, threads) for r in range(n)]
+        self.placement = []
+        try:
+            self.placement = self._collect([a.placement.remote() for a in self.actors], "the ranks to start")
+            self.check_shared_dir(self.run_dir)
+            host, port = self._collect([self.actors[0].open_rendezvous.remote()], "rank 0's rendezvous")[0]
+            self.rendezvous = f"{host}:{port}"
+            self.info = self._collect([a.setup.remote(host, port) for a in self.actors], "the ranks to start")
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
         self.dp_size = self.info[0]["dp_size"]
         # the first rank of each data-parallel group receives (and returns) that group's data
         self.dp_leaders = {}
         for i, inf in enumerate(self.info):
             self.dp_leaders.setdefault(inf["dp_rank"], i)
 
+    # ---- start-up checks ----------------------------------------------------------------
+    def check_shared_dir(self, run_dir: Path) -> None:
+        """checkpoint.dir must be the same directory on every node: the driver writes a marker
+        there and every rank reads it back. Refuses (naming the ranks and nodes) when not."""
+        created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        marker = run_dir / f".rl-shared-check-{token[:8]}"
+        marker.write_text(token)
+        try:
+            seen = self._collect([a.check_shared_dir.remote(str(marker), token) for a in self.actors],
+                                 "the checkpoint directory check")
+        finally:
+            marker.unlink(missing_ok=True)
+        bad = [(p, why) for p, why in zip(self.placement, seen) if why]
+        if bad:
+            if created:
+                try:
+                    run_dir.rmdir()
+                except OSError:
+                    pass
+            where = "; ".join(f"rank {p['rank']} on node {p['node_ip']} ({why})" for p, why in bad)
+            raise UserError(f"checkpoint.dir {run_dir} is not shared with every rank: the driver wrote a marker "
+                            f"there that {where} cannot see. Every node must see the same directory (NFS, a "
+                            f"shared volume, or a distributed filesystem mounted at the same path); set "
+                            f"checkpoint.dir to such a path.", title="checkpoint dir not shared")
+
+    # ---- calls --------------------------------------------------------------------------
+    def _where(self, i: int) -> str:
+        p = self.placement[i] if i < len(getattr(self, "placement", [])) else None
+        if not p:
+            return f"rank {i}"
+        return f"rank {i} on node {p['node_ip']} (node id {p['node_id'][:12]}, host {p['hostname']})"
+
+    def _collect(self, refs: list, what: str) -> list:
+        """Results of one call per rank, in rank order. A rank lost mid-call (its process or
+        node died) ends the run with RankLost naming it; a rank that fails because a peer died
+        (a broken collective) is reported as that peer's loss."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return get(refs, self.timeout, what)
+        except UserError:
+            raise
+        except Exception as first:
+            failure = first
+        # find the lost rank: give Ray a bounded time to report the other calls' outcome
+        idx = {r: i for i, r in enumerate(refs)}
+        lost, pending = [], list(refs)
+        deadline = time.monotonic() + min(LOST_GRACE_S, self.timeout)
+        while pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for r in done:
+                try:
+                    ray.get(r, timeout=0)
+                except (RayActorError, GetTimeoutError) as e:
+                    lost.append((idx[r], type(e).__name__))
+                except Exception:
+                    pass
+        if lost:
+            i, why = lost[0]
+            others = ", ".join(self._where(j) for j, _ in lost[1:])
+            raise RankLost(f"{self._where(i)} was lost while {what} ({why}: its worker process or node died)"
+                           + (f"; also lost: {others}" if others else "") +
+                           f". The run stopped; checkpoints already complete are intact. Continue with "
+                           f"`rl resume {self.run_dir}` once the cluster has the ranks again.", title="rank lost")
+        raise failure
+
     def _all(self, method: str, per_rank_args: list[tuple], what: str):
+        self.bytes_sent += sum(wire_bytes(a) for a in per_rank_args)
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        return get(refs, self.timeout, what)
+        out = self._collect(refs, what)
+        self.bytes_received += sum(wire_bytes(o) for o in out)
+        return out
+
+    def take_bytes(self) -> dict:
+        """Bytes the driver sent to / received from the ranks since the last call."""
+        out = {"sent": self.bytes_sent, "received": self.bytes_received}
+        self.bytes_sent = self.bytes_received = 0
+        return out
 
     def _dp_args(self, shards: list) -> list[tuple]:
         return [(shards[inf["dp_rank"]],) for inf in self.info]
@@ -122,10 +229,10 @@ class WorkerGroup:
         return self._all("load", [(step_dir, plan)] * len(self.actors), "the checkpoint load")
 
     def checkpoint_facts(self) -> dict:
-        return get(self.actors[0].checkpoint_facts.remote(), self.timeout, "checkpoint facts")
+        return self._collect([self.actors[0].checkpoint_facts.remote()], "checkpoint facts")[0]
 
     def bucket_state(self) -> list:
-        return get(self.actors[0].bucket_state.remote(), self.timeout, "bucket state")
+        return self._collect([self.actors[0].bucket_state.remote()], "bucket state")[0]
 
     def onload(self, step: int) -> list[dict]:
         return self._all("onload", [(step,)] * len(self.actors), "onload")
@@ -134,12 +241,21 @@ class WorkerGroup:
         """Offload every rank; returns per-rank {"report", "memory": [phase records]}."""
         return self._all("offload", [()] * len(self.actors), "offload")
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
+        if graceful:
+            try:
+                get([a.shutdown.remote() for a in self.actors], 30, "shutdown")
+            except Exception:
+                pass
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
         try:
-            get([a.shutdown.remote() for a in self.actors], 30, "shutdown")
+            remove_placement_group(self.pg)
         except Exception:
             pass
-        for a in self.actors:
-            ray.kill(a)

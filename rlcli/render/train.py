@@ -56,6 +56,9 @@ def plan_table(plan) -> Table:
         if k not in plan.key_settings:
             t.add_row(k, f"{new}  [yellow]({before} {old})[/]")
     t.add_row("run dir", plan.run_dir)
+    if plan.ray:
+        nodes = sorted({p["node_ip"] for p in plan.placement})
+        t.add_row("ray", plan.ray + (f"  (ranks on {len(nodes)} nodes: {', '.join(nodes)})" if len(nodes) > 1 else ""))
     return t
 
 

@@ -1,0 +1,113 @@
+"""`rl train` on a real two-host Ray cluster (issue 16): two network namespaces, one Ray node
+each (1 CPU), joined over a veth pair at 10.231.0.1 / 10.231.0.2, sharing the filesystem except
+one directory that host B sees privately. The driver runs on host A (`ip netns exec`).
+
+Protects: ranks placed on both hosts meet at rank 0's node address (not 127.0.0.1) and train
+like a single-node run; an unplaceable request and a checkpoint dir not shared by every node
+are refused at start; losing host B mid-run ends the run cleanly naming the rank and node,
+and `rl resume` finishes it once the host is back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.netns_cluster import HEAD_IP, WORKER_IP, TwoHosts
+from tests.ray_procs import child_env, metrics_rows, rl_cmd, wait_for
+
+pytestmark = pytest.mark.slow
+
+RUN = ("trainer.nprocs=2", "trainer.threads_per_rank=1", "data.train_batch_size=4", "algorithm.rollout_n=2")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("shared")
+    (shared / "private_view").mkdir()
+    private = tmp_path_factory.mktemp("only_b")
+    h = TwoHosts(private_view=shared / "private_view", private_dir=private)
+    try:
+        h.create()
+        h.start_head()
+        h.start_worker()
+        h.wait_nodes(2)
+        yield h, shared
+    finally:
+        h.close()
+
+
+def _train_on_cluster(h: TwoHosts, *args) -> subprocess.CompletedProcess:
+    return h.run("A", rl_cmd("train", f"trainer.ray_address={h.address}", *args, "--json"), timeout=900)
+
+
+def test_two_ranks_on_two_hosts_match_single_node(hosts, tmp_path):
+    h, shared = hosts
+    r = _train_on_cluster(h, *RUN, "trainer.nnodes=2", "trainer.total_steps=3", "checkpoint.save_final=false",
+                          f"checkpoint.dir={shared / 'two_hosts'}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    placement = json.loads(r.stdout)["placement"]
+    assert [p["node_ip"] for p in placement] == [HEAD_IP, WORKER_IP], placement
+    assert len({p["node_id"] for p in placement}) == 2, placement
+    ref = subprocess.run(rl_cmd("train", *RUN, "trainer.total_steps=3", "checkpoint.save_final=false",
+                                f"checkpoint.dir={tmp_path / 'one_host'}", "--json"),
+                         env=child_env(), capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    got, want = metrics_rows(shared / "two_hosts"), metrics_rows(tmp_path / "one_host")
+    assert [x["step"] for x in got] == [1, 2, 3]
+    for g, w in zip(got, want):
+        assert g["reward_mean"] == w["reward_mean"], (g, w)
+        for k in ("pg_loss", "grad_norm", "entropy"):
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (k, g, w)
+        assert g["driver_bytes"]["sent"] > 0 and g["driver_bytes"]["received"] > 0
+
+
+def test_unplaceable_request_is_refused_naming_the_cluster(hosts):
+    """3 ranks of 1 CPU on two 1-CPU nodes: refused before anything waits on the placement
+    group (the 'cannot be placed' path checks the nodes' totals), with the nodes listed."""
+    h, shared = hosts
+    r = _train_on_cluster(h, "trainer.nprocs=3", f"checkpoint.dir={shared / 'too_big'}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "cannot be placed" in r.stderr and f"{HEAD_IP} (1 CPU" in r.stderr and f"{WORKER_IP} (1 CPU" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (shared / "too_big").exists()
+
+
+def test_checkpoint_dir_not_shared_by_every_node_is_refused(hosts):
+    """Host B sees a private directory at the checkpoint path: the driver's marker is not
+    visible to rank 1, and the run is refused naming that rank and node (rank 0 on host A
+    sees it and is not named); no run directory is left."""
+    h, shared = hosts
+    d = shared / "private_view" / "ck"
+    r = _train_on_cluster(h, *RUN, "trainer.nnodes=2", "trainer.total_steps=1", f"checkpoint.dir={d}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "not shared with every rank" in r.stderr and f"rank 1 on node {WORKER_IP}" in r.stderr
+    assert "rank 0 on node" not in r.stderr and "Traceback" not in r.stderr
+    assert not d.exists()
+
+
+def test_losing_the_second_host_mid_run_then_resume_finishes(hosts):
+    h, shared = hosts
+    d = shared / "killed"
+    proc = h.popen("A", rl_cmd("train", f"trainer.ray_address={h.address}", *RUN, "trainer.nnodes=2",
+                               "trainer.total_steps=200", "checkpoint.save_freq=1", f"checkpoint.dir={d}"))
+    try:
+        wait_for(lambda: len(metrics_rows(d)) >= 2 and (d / "step_1" / "manifest.json").exists(), 600,
+                 "two steps and a checkpoint", proc)
+        h.kill_host("B")
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 1, out[-4000:]
+    assert f"rank 1 on node {WORKER_IP}" in out and "rank lost" in out and "rl resume" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    done = max(int(p.name.split("_")[1]) for p in d.glob("step_*") if (p / "manifest.json").exists())
+    h.start_worker()
+    h.wait_nodes(2)
+    r = h.run("A", rl_cmd("resume", str(d), f"trainer.total_steps={done + 2}", "--json"), timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout)["last_step"] == done + 2
+    assert [x["step"] for x in metrics_rows(d)] == list(range(1, done + 3))
