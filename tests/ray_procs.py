@@ -35,6 +35,13 @@ def child_env(**extra) -> dict:
     return env
 
 
+def plain(text: str) -> str:
+    """CLI output without rich's box drawing and line wrapping: one space between words."""
+    for ch in "│╭╮╰╯─┃":
+        text = text.replace(ch, " ")
+    return " ".join(text.split())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -174,6 +174,11 @@ def start_reaper(ray, since: float) -> Reaper | None:
     return Reaper(proc, write_fd)
 
 
+def timeout_error(timeout_s: float, what: str) -> UserError:
+    return UserError(f"Timed out after {timeout_s:.0f}s waiting for {what}. A rank may be stuck or the machine "
+                     f"overloaded; raise trainer.ray_timeout_s if the step is legitimately slow.", title="ray timeout")
+
+
 def get(refs, timeout_s: float, what: str):
     """ray.get with a timeout that names what was being waited for."""
     import ray
@@ -182,9 +187,7 @@ def get(refs, timeout_s: float, what: str):
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        raise UserError(f"Timed out after {timeout_s:.0f}s waiting for {what}. A rank may be stuck or the "
-                        f"machine overloaded; raise trainer.ray_timeout_s if the step is legitimately slow.",
-                        title="ray timeout") from None
+        raise timeout_error(timeout_s, what) from None
     except RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
         if isinstance(cause, UserError):

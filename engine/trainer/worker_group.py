@@ -17,7 +17,7 @@ from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.threads import rank_env
-from engine.trainer.ray_cluster import get
+from engine.trainer.ray_cluster import get, timeout_error
 
 LOST_GRACE_S = 60.0  # after one rank fails, how long to wait for Ray to report which rank was lost
 
@@ -125,14 +125,19 @@ class WorkerGroup:
         node died) ends the run with RankLost naming it; a rank that fails because a peer died
         (a broken collective) is reported as that peer's loss."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            return get(refs, self.timeout, what)
-        except UserError:
-            raise
-        except Exception as first:
-            failure = first
+            return ray.get(refs, timeout=self.timeout)
+        except GetTimeoutError:
+            raise timeout_error(self.timeout, what) from None
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, UserError):
+                raise cause from None
+            failure = e
+        except RayActorError as e:
+            failure = e
         # find the lost rank: give Ray a bounded time to report the other calls' outcome
         idx = {r: i for i, r in enumerate(refs)}
         lost, pending = [], list(refs)
