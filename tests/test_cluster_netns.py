@@ -65,20 +65,21 @@ def test_two_ranks_on_two_hosts_match_single_node(hosts, tmp_path):
 
 def test_unplaceable_request_is_refused_naming_the_cluster(hosts):
     """3 ranks of 1 CPU on two 1-CPU nodes: refused before anything waits on the placement
-    group (the 'cannot be placed' path checks the nodes' totals), with the nodes listed."""
+    group (the 'cannot be placed' path checks the nodes' totals), with the nodes listed; no
+    step ran."""
     h, shared = hosts
     r = _train_on_cluster(h, "trainer.nprocs=3", f"checkpoint.dir={shared / 'too_big'}")
     assert r.returncode == 2, r.stderr[-3000:]
     err = plain(r.stderr)
     assert "cannot be placed" in err and f"{HEAD_IP} (1 CPU" in err and f"{WORKER_IP} (1 CPU" in err, err
     assert "Traceback" not in err
-    assert not (shared / "too_big").exists()
+    assert not metrics_rows(shared / "too_big") and not list((shared / "too_big").glob("step_*"))
 
 
 def test_checkpoint_dir_not_shared_by_every_node_is_refused(hosts):
     """Host B sees a private directory at the checkpoint path: the driver's marker is not
     visible to rank 1, and the run is refused naming that rank and node (rank 0 on host A
-    sees it and is not named); no run directory is left."""
+    sees it and is not named); no step ran and the marker is removed."""
     h, shared = hosts
     d = shared / "private_view" / "ck"
     r = _train_on_cluster(h, *RUN, "trainer.nnodes=2", "trainer.total_steps=1", f"checkpoint.dir={d}")
@@ -86,7 +87,7 @@ def test_checkpoint_dir_not_shared_by_every_node_is_refused(hosts):
     err = plain(r.stderr)
     assert "not shared with every rank" in err and f"rank 1 on node {WORKER_IP}" in err, err
     assert "rank 0 on node" not in err and "Traceback" not in err
-    assert not d.exists()
+    assert not metrics_rows(d) and not list(d.glob("step_*")) and not list(d.glob(".rl-shared-check-*"))
 
 
 def test_losing_the_second_host_mid_run_then_resume_finishes(hosts):
