@@ -30,7 +30,6 @@ import torch
 from engine.algorithms.advantages import grpo_advantages, token_advantages
 from engine.config.load import load_run_config
 from engine.trainer.worker import RankWorker
-from engine.trainer.worker_group import free_port
 from dataclasses import asdict
 
 threads, blocks, per_block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -38,8 +37,8 @@ cfg = load_run_config(["model.hidden_size=128", "model.intermediate_size=256", "
                        "rollout.max_new_tokens=16", "rollout.ignore_eos=true", "data.train_batch_size=8",
                        "algorithm.rollout_n=4", "trainer.device=cpu"]).config
 V = 64
-w = RankWorker(asdict(cfg), 0, 1, f"tcp://127.0.0.1:{free_port()}", "", {"size": V, "pad": 0, "eos": 1}, threads)
-w.setup()
+w = RankWorker(asdict(cfg), 0, 1, "", {"size": V, "pad": 0, "eos": 1}, threads)
+w.setup(*w.open_rendezvous())
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(2, V, (12,), generator=g).tolist() for _ in range(8)]
 

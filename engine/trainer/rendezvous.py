@@ -27,9 +27,12 @@ def is_loopback(host: str) -> bool:
 
 
 def node_address() -> str:
-    """This process's node address as Ray reports it (127.0.0.1 on a local run)."""
+    """This process's node address as Ray reports it (127.0.0.1 on a local run, and outside
+    Ray, where a RankWorker is driven directly by a test or benchmark)."""
     import ray
 
+    if not ray.is_initialized():
+        return "127.0.0.1"
     return ray.util.get_node_ip_address()
 
 
