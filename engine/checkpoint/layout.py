@@ -18,7 +18,9 @@ TMP_PREFIX = ".tmp-step_"
 MANIFEST = "manifest.json"
 FORMAT = "rl-checkpoint"
 RUN_FORMAT = "rl-run"
-VERSION = 1
+VERSION = 1               # run.json's format version
+CHECKPOINT_VERSION = 2    # manifest.json: 2 = content hashes and a manifest digest; 1 = sizes only
+READABLE_CHECKPOINT_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,14 @@ def list_steps(run_dir: Path) -> list[StepDir]:
     if not run_dir.is_dir():
         return []
     out = []
-    for p in run_dir.iterdir():
+    try:
+        children = list(run_dir.iterdir())
+    except OSError:
+        return []
+    for p in children:
         m = STEP_RE.match(p.name)
-        if m and p.is_dir():
+        # a symlink named step_N (to elsewhere, dangling, or a loop) is never a checkpoint of this run
+        if m and not p.is_symlink() and p.is_dir():
             out.append(StepDir(p, int(m.group(1))))
     return sorted(out, key=lambda s: s.step)
 

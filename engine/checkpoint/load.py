@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from engine.checkpoint.layout import (FORMAT, MANIFEST, STEP_RE, TMP_PREFIX, VERSION, StepDir, complete_steps,
-                                      list_steps, manifest_file_problems)
+from engine.checkpoint.layout import (FORMAT, MANIFEST, READABLE_CHECKPOINT_VERSIONS, STEP_RE, TMP_PREFIX,
+                                      StepDir, complete_steps, list_steps)
 from engine.checkpoint.resume_rules import ConfigChange, classify_changes
 from engine.errors import CheckpointError, UserError
 
@@ -113,21 +113,27 @@ def _latest_hint(run_root: Path) -> str:
 
 
 def read_manifest(step: StepDir) -> dict:
+    from engine.inspect.files import read_json
+
     try:
-        m = step.manifest()
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{step.path / MANIFEST} cannot be read ({e}). The checkpoint is damaged; resume an "
-                              f"earlier one.", title="corrupt checkpoint") from None
+        m = read_json(step.path / MANIFEST, what=str(step.path / MANIFEST))
+    except CheckpointError as e:
+        raise CheckpointError(f"{e.message} The checkpoint is damaged; resume an earlier one.",
+                              title="corrupt checkpoint") from None
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{step.path / MANIFEST} is not a JSON object; the checkpoint is damaged.",
+                              title="corrupt checkpoint")
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{step.path / MANIFEST} is not an rl checkpoint manifest (format "
                               f"{m.get('format')!r}).", title="unsupported checkpoint")
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"{step.path} uses checkpoint format version {m.get('version')}; this rl reads "
-                              f"version {VERSION}. Resume it with the rl version that wrote it.",
-                              title="unsupported checkpoint")
-    for key in ("step", "world_size", "engine", "model", "optimizer", "config"):
-        if key not in m:
-            raise CheckpointError(f"{step.path / MANIFEST} has no {key!r}; the checkpoint is damaged or was "
+    if m.get("version") not in READABLE_CHECKPOINT_VERSIONS:
+        raise CheckpointError(f"{step.path} uses checkpoint format version {m.get('version')!r}; this rl reads "
+                              f"versions {', '.join(map(str, READABLE_CHECKPOINT_VERSIONS))}. Resume it with the rl "
+                              f"version that wrote it.", title="unsupported checkpoint")
+    for key, kind in (("step", int), ("world_size", int), ("engine", str), ("model", dict), ("optimizer", dict),
+                      ("config", dict)):
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            raise CheckpointError(f"{step.path / MANIFEST} has no valid {key!r}; the checkpoint is damaged or was "
                                   f"written by another program.", title="corrupt checkpoint")
     return m
 
@@ -230,12 +236,16 @@ def group_names(names: Iterable[str], limit: int = 12) -> list[str]:
     return out
 
 
-def _saved_entries(state_dir: Path, shown: str):
-    """Names and shapes of everything in a DCP directory (metadata only, restricted unpickler)."""
-    from engine.inspect.dcp import raise_problems, read_dcp
+def _saved_entries(state_dir: Path, shown: str, *, read_values: bool = False):
+    """Names and shapes of everything in a DCP directory (metadata, restricted unpickler).
+    ``read_values``: also read every non-tensor entry through the restricted unpickler, so a
+    value that would run code is refused here, before any rank loads it."""
+    from engine.inspect.dcp import raise_problems, read_dcp, read_object_values
 
     contents = read_dcp(state_dir, display=shown)
     raise_problems(shown, contents.problems)
+    if read_values:
+        read_object_values(state_dir, contents, display=shown)
     shapes = {t.name: tuple(t.shape) for t in contents.tensors}
     names = set(shapes) | {o.name for o in contents.objects}
     return names, shapes
@@ -280,6 +290,7 @@ class ResumePlan:
     later_checkpoints: list[str]    # newer complete checkpoints set aside on apply (rewind)
     metrics_rows_dropped: int
     versions_changed: dict          # package -> [then, now]
+    verification: dict = field(default_factory=dict)   # engine.checkpoint.verify.Verification.to_json()
     warnings: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     loaded: list[dict] = field(default_factory=list)   # per-rank reports, filled by apply()
@@ -330,7 +341,7 @@ class ResumePlan:
             src = root / name
             if src.exists():
                 os.replace(src, root / f".superseded-{name}-{stamp}")
-        truncate_jsonl(root / "metrics.jsonl", self.step)
+        truncate_jsonl(root / "metrics.jsonl", self.step)  # also drops a row a kill cut short
         truncate_jsonl(root / MEMORY_FILE, self.step)
         with open(root / RESUME_LOG, "a") as f:
             f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | self.to_json(),
@@ -338,31 +349,40 @@ class ResumePlan:
 
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
-    """Drop rows whose "step" is after ``last_step``; returns how many were dropped."""
-    if not path.exists():
+    """Drop rows whose "step" is after ``last_step``, and rows that are not JSON objects (the
+    last row of a run killed mid-write); returns how many were dropped. Rewritten atomically."""
+    if not path.is_file():
         return 0
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if _row_step(ln) <= last_step]
-    if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        tmp.replace(path)
+    text = path.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    keep = [ln for ln in lines if _row_step(ln) is not None and _row_step(ln) <= last_step]
+    if len(keep) != len(lines) or (text and not text.endswith("\n")):
+        from engine.checkpoint.digest import write_bytes_atomic
+
+        write_bytes_atomic(path, "".join(ln + "\n" for ln in keep).encode())
     return len(lines) - len(keep)
 
 
-def _row_step(line: str) -> int:
+def _row_step(line: str) -> int | None:
+    """A row's step (0 when it has none); None when the line is not a JSON object."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(row, dict):
+        return None
+    try:
+        return int(row.get("step", 0))
+    except (ValueError, TypeError, OverflowError):
+        return None
 
 
 def _lines(path: Path) -> list[str]:
-    return [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    return [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()] if path.is_file() else []
 
 
 def _count_rows_after(path: Path, step: int) -> int:
-    return sum(1 for ln in _lines(path) if _row_step(ln) > step)
+    return sum(1 for ln in _lines(path) if (_row_step(ln) or 0) > step)
 
 
 def _span(steps: list[int]) -> str:
@@ -370,8 +390,14 @@ def _span(steps: list[int]) -> str:
         ", ".join(map(str, steps[:10]))
 
 
-def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial: bool = False) -> ResumePlan:
+def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial: bool = False,
+                verify: bool = True) -> ResumePlan:
     """Everything `rl resume PATH OVERRIDES` would do, read from disk; writes nothing.
+
+    The checkpoint is verified first (engine/checkpoint/verify.py): structure, manifest digest,
+    cross-checks, and, unless ``verify`` is false (``--no-verify``), every file's content hash.
+    Every non-tensor value in the shards is read through the restricted unpickler, so one that
+    would run code is refused here, before any rank starts.
 
     Raises CheckpointError when there is nothing usable (no checkpoint, only incomplete ones,
     a damaged one). Problems the user can fix by changing the command (a refused override,
@@ -384,16 +410,16 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     loc = find_checkpoint(Path(path))
     step, root = loc.step, loc.run_root
     manifest = read_manifest(step)
-    problems = manifest_file_problems(step.path, manifest)
-    if problems:
-        raise CheckpointError(f"{step.path} does not match its manifest: {'; '.join(problems)}. The checkpoint was "
-                              f"damaged after it was written; resume an earlier one.{_earlier_hint(root, step)}",
-                              title="corrupt checkpoint")
+    from engine.checkpoint.verify import raise_if_corrupt, verify_step
+    from engine.inspect.files import read_json
+
+    verification = verify_step(step.path, manifest, content=verify)
+    raise_if_corrupt(verification, f" Resume an earlier checkpoint.{_earlier_hint(root, step)}")
     try:
-        trainer_state = json.loads((step.path / "trainer.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{step.path}/trainer.json cannot be read ({e}); resume an earlier checkpoint."
-                              f"{_earlier_hint(root, step)}", title="corrupt checkpoint") from None
+        trainer_state = read_json(step.path / "trainer.json", what=f"{step.path}/trainer.json")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e.message} Resume an earlier checkpoint.{_earlier_hint(root, step)}",
+                              title="corrupt checkpoint") from None
 
     try:
         saved_cfg = config_from_dict(manifest["config"])
@@ -436,7 +462,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         f"{cfg.engine.name}. Resume with the engine that wrote it.")
 
     # model and optimizer, from the DCP metadata and the manifest
-    names, shapes = _saved_entries(step.path / "state", str(step.path / "state"))
+    names, shapes = _saved_entries(step.path / "state", str(step.path / "state"), read_values=True)
     model_saved = {k: v for k, v in shapes.items() if k.startswith("model.")}
     params = manifest["model"].get("params") or {}
     bad = [f"{n} (manifest {list(p.get('shape', []))}, state {list(model_saved.get('model.' + n, ()))})"
@@ -452,6 +478,12 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     entries = classify_optimizer_entries(expected_optimizer_keys(saved_optim, param_state, fqns), saved_optim,
                                          param_state, fqns)
     warnings = []
+    if verification.legacy:
+        warnings.append(f"{step.path / MANIFEST} is version 1: it records sizes, not content hashes, so only sizes "
+                        f"and cross-checks were verified.")
+    elif not verify:
+        warnings.append("--no-verify: file contents were NOT checked against the manifest's hashes (sizes and "
+                        "cross-checks were); a damaged shard would be loaded as is.")
     if entries.missing:
         if allow_partial:
             warnings.append(f"--allow-partial: {len(entries.missing)} parameter(s) restart from the initial "
@@ -460,15 +492,20 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         else:
             refusals.append(_refuse_missing(entries.missing, step.path).message)
 
+    from engine.inspect.safe_unpickle import read_torch_archive
+
+    for f in sorted((step.path / "rng").glob("rank_*.pt")):  # restricted reader: refuses garbage and code
+        read_torch_archive(f, display=str(f))
     world_now = cfg.trainer.nprocs
     rng = []
     for r in range(world_now):
         f = step.path / "rng" / f"rank_{r}.pt"
-        if f.is_file():
+        if r < manifest["world_size"]:  # verification guarantees it exists
             rng.append({"rank": r, "source": f"rng/rank_{r}.pt", "note": ""})
         else:
             rng.append({"rank": r, "source": None,
-                        "note": "no saved RNG (rank did not exist at save): seed-derived generator"})
+                        "note": f"no saved RNG (rank did not exist at save, world size {manifest['world_size']}): "
+                                f"seed-derived generator"})
     if world_now != manifest["world_size"]:
         warnings.append(f"world size {manifest['world_size']} -> {world_now}: DCP reshards model and optimizer; "
                         f"per-rank sampling streams differ, so the continuation is not bit-exact.")
@@ -476,7 +513,12 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         if int(p.stem.split("_")[1]) >= world_now)
         if unused:
             warnings.append(f"saved RNG of ranks that no longer exist is not used: {', '.join(unused)}.")
-    logged = {_row_step(ln) for ln in _lines(root / "metrics.jsonl")}
+    metric_lines = _lines(root / "metrics.jsonl")
+    broken = [i + 1 for i, ln in enumerate(metric_lines) if _row_step(ln) is None]
+    if broken:
+        warnings.append(f"metrics.jsonl line(s) {', '.join(map(str, broken[:5]))} are not JSON rows (a write cut "
+                        f"short by a kill): dropped on resume.")
+    logged = {_row_step(ln) for ln in metric_lines}
     lost = [s for s in range(1, step.step + 1) if s not in logged]
     if lost and logged:
         warnings.append(f"metrics.jsonl has no row for step(s) {_span(lost)} (the run stopped between saving a "
@@ -511,7 +553,8 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         parallel_then=dict(manifest.get("parallel") or {}), config_changes=changes, overrides=overrides,
         skipped=loc.skipped, later_checkpoints=loc.later,
         metrics_rows_dropped=_count_rows_after(root / "metrics.jsonl", step.step),
-        versions_changed=versions_changed, warnings=warnings, refusals=refusals, config=cfg)
+        versions_changed=versions_changed, verification=verification.to_json() | {"summary": verification.summary},
+        warnings=warnings, refusals=refusals, config=cfg)
 
 
 def _earlier_hint(root: Path, step: StepDir) -> str:
@@ -522,10 +565,14 @@ def _earlier_hint(root: Path, step: StepDir) -> str:
 # ---- rank side --------------------------------------------------------------------------
 def _backfill_planner(skip: set[str]):
     """A DCP load planner that requests everything in the state dict except ``skip`` (flat
-    DCP keys), and is strict about the rest: a requested key absent from the checkpoint fails."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+    DCP keys), and is strict about the rest: a requested key absent from the checkpoint fails.
+    Non-tensor values are unpickled with ``weights_only=True`` (engine/checkpoint/safe_dcp.py),
+    never with DCP's default ``weights_only=False``."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-    class BackfillLoadPlanner(DefaultLoadPlanner):
+    from engine.checkpoint.safe_dcp import SafeLoadPlanner
+
+    class BackfillLoadPlanner(SafeLoadPlanner):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             super().set_up_planner(state_dict, metadata, is_coordinator)
             self.state_dict = {k: v for k, v in self.state_dict.items() if k not in skip}
@@ -556,8 +603,20 @@ def load_rng_file(path: Path) -> dict:
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     core = getattr(np, "_core", None) or getattr(np, "core")
     allowed.append(core.multiarray._reconstruct)
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, weights_only=True)
+    from engine.inspect.files import require_regular_file
+
+    require_regular_file(Path(path), str(path))
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, weights_only=True)
+    except Exception as e:  # UnpicklingError, a zip reader RuntimeError, EOFError...: never a traceback
+        raise CheckpointError(f"{path} is not a readable RNG state ({type(e).__name__}: {str(e)[:300]}). The "
+                              f"checkpoint is damaged (or holds objects other than RNG state, which are not "
+                              f"loaded); resume an earlier one.", title="corrupt checkpoint") from None
+    if not isinstance(state, dict) or not {"torch", "python", "numpy"} <= set(state):
+        raise CheckpointError(f"{path} does not hold an RNG state (keys torch, python, numpy); the checkpoint is "
+                              f"damaged.", title="corrupt checkpoint")
+    return state
 
 
 def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) -> dict:
@@ -576,7 +635,12 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     t0 = time.perf_counter()
     step_dir = Path(step_dir)
     manifest = read_manifest(StepDir(step_dir, int(plan.get("step", manifest_step(step_dir)))))
-    trainer_state = json.loads((step_dir / "trainer.json").read_text())
+    from engine.inspect.files import read_json
+
+    trainer_state = read_json(step_dir / "trainer.json", what=f"{step_dir}/trainer.json")
+    if not isinstance(trainer_state, dict):
+        raise CheckpointError(f"{step_dir}/trainer.json is not a JSON object; the checkpoint is damaged.",
+                              title="corrupt checkpoint")
     names, shapes = _saved_entries(step_dir / "state", str(step_dir / "state"))
 
     state = engine.checkpoint_state()   # live, DCP-shaped; a fresh optimizer gets entries for every param
@@ -605,7 +669,9 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     backfilled = entries.backfilled + (entries.missing if plan.get("allow_partial") else [])
 
     try:
-        dcp.load(state, checkpoint_id=str(step_dir / "state"),
+        from engine.checkpoint.safe_dcp import safe_reader
+
+        dcp.load(state, storage_reader=safe_reader(step_dir / "state"),
                  planner=_backfill_planner({"optim." + k for k in entries.skip}))
     except CheckpointException as e:  # a BaseException: turn it into an error the CLI prints
         raise CheckpointError(f"Loading {step_dir / 'state'} failed: {str(e)[:600]}", title="load failed") from None
@@ -620,6 +686,9 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
 
     rng_file = step_dir / "rng" / f"rank_{rank}.pt"
     rng_source = None
+    if rank < manifest["world_size"] and not rng_file.is_file():
+        raise CheckpointError(f"{rng_file} is missing although rank {rank} existed at save (world size "
+                              f"{manifest['world_size']}); the checkpoint is damaged.", title="corrupt checkpoint")
     if rng_file.is_file():
         set_rng_state(load_rng_file(rng_file), generator)
         rng_source = f"rng/rank_{rank}.pt"

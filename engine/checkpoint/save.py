@@ -1,13 +1,16 @@
 """Saving a checkpoint from every rank, atomically.
 
-Each rank calls ``save_rank_state`` (DCP is collective); then rank 0 calls
-``finalize_checkpoint``, which writes trainer.json and, last, manifest.json, fsyncs and
-renames ``.tmp-step_N`` to ``step_N``. A kill at any instant leaves either the previous
-complete checkpoint or the new one; never a half one named step_N with a manifest.
+Each rank calls ``save_rank_state`` (DCP is collective); it returns the size and content hash
+of every file the rank wrote, computed while writing (engine/checkpoint/digest.py). Then the
+driver calls ``finalize_checkpoint`` with all ranks' hashes, which writes trainer.json and, last,
+manifest.json (sizes, hashes, and a hash of the manifest itself), fsyncs and renames
+``.tmp-step_N`` to ``step_N``. A kill at any instant leaves either the previous complete
+checkpoint or the new one; never a half one named step_N with a manifest.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
@@ -16,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.layout import (FORMAT, MANIFEST, TMP_PREFIX, VERSION, fsync_dir, fsync_tree,
+from engine.checkpoint.digest import (ALGORITHM, hash_file, hashing_writer, json_bytes, seal_manifest,
+                                      write_bytes_atomic)
+from engine.checkpoint.layout import (CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, fsync_dir, fsync_tree,
                                       step_dir_name, write_json_atomic)
 
 
@@ -48,33 +53,59 @@ def set_rng_state(state: dict, generator: torch.Generator | None) -> None:
 def prepare_tmp(run_dir: Path, step: int) -> Path:
     """Rank 0, before a save: a clean temp dir for this step."""
     d = tmp_dir(run_dir, step)
-    if d.exists():
+    if d.is_symlink() or (os.path.lexists(d) and not d.is_dir()):
+        d.unlink()  # never follow a link (or a loop) someone left under our temp name
+    elif d.exists():
         shutil.rmtree(d)
     (d / "rng").mkdir(parents=True)
     return d
 
 
-def save_rank_state(run_dir: Path, step: int, state: dict, rank: int, rng: dict) -> None:
-    """Collective: every rank writes its shards into the temp dir, plus its RNG."""
+def save_rank_state(run_dir: Path, step: int, state: dict, rank: int, rng: dict) -> dict[str, list]:
+    """Collective: every rank writes its shards into the temp dir, plus its RNG. Returns
+    ``{relative path: [bytes, blake2b hex]}`` for each file this rank wrote, hashed as written."""
     import torch.distributed.checkpoint as dcp
 
     d = tmp_dir(run_dir, step)
-    dcp.save(state, checkpoint_id=str(d / "state"))
-    torch.save(rng, d / "rng" / f"rank_{rank}.pt")
+    writer = hashing_writer(d / "state")
+    dcp.save(state, storage_writer=writer)
+    out = {str(Path(p).relative_to(d)): [n, h] for p, (n, h) in writer.fs.digests.items()}
+    buf = io.BytesIO()
+    torch.save(rng, buf)
+    data = buf.getvalue()
+    out[f"rng/rank_{rank}.pt"] = [len(data), write_bytes_atomic(d / "rng" / f"rank_{rank}.pt", data)]
+    return out
 
 
-def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest: dict) -> Path:
-    """Rank 0, after every rank saved: trainer.json, manifest.json last, rename into place."""
+def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest: dict,
+                        digests: dict[str, list] | None = None) -> Path:
+    """After every rank saved: trainer.json, manifest.json last, rename into place.
+
+    ``digests``: what the ranks' ``save_rank_state`` returned, merged. A file on disk without
+    one (a writer that did not report it) is hashed by reading it, so the manifest always
+    covers every file."""
     d = tmp_dir(run_dir, step)
-    write_json_atomic(d / "trainer.json", trainer_state)
+    digests = dict(digests or {})
+    data = json_bytes(trainer_state)
+    digests["trainer.json"] = [len(data), write_bytes_atomic(d / "trainer.json", data)]
     fsync_tree(d)
-    files = {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
-    manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest, "files": files}
-    write_json_atomic(d / MANIFEST, manifest)
+    files, hashes = {}, {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            rel = str(p.relative_to(d))
+            size = p.stat().st_size
+            got = digests.get(rel)
+            if got is None or int(got[0]) != size:
+                got = hash_file(p)
+            files[rel], hashes[rel] = size, str(got[1])
+    manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest, "files": files,
+                "hashes": {"algorithm": ALGORITHM, "files": hashes}}
+    write_json_atomic(d / MANIFEST, seal_manifest(manifest))
     final = run_dir / step_dir_name(step)
-    if final.exists():  # an incomplete leftover with the same name: move it aside, never merge
-        os.replace(final, run_dir / f".stale-{final.name}-{int(time.time())}")
+    if os.path.lexists(final):  # a leftover with the same name (an incomplete dir, a dangling or looping
+        # symlink): move it aside, never merge, never follow
+        os.replace(final, run_dir / f".stale-{final.name}-{time.time_ns()}")
     os.replace(d, final)
     fsync_dir(run_dir)
     return final

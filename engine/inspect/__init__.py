@@ -17,17 +17,28 @@ __all__ = ["inspect_path", "inspect_checkpoint", "diff_paths", "CheckpointReport
            "RunReport", "DiffReport"]
 
 
-def inspect_path(path: Union[str, Path]) -> Union[CheckpointReport, RunReport]:
-    """Report for whatever ``path`` holds: one checkpoint, or a directory of them."""
+VERIFIABLE = ("rl", "rl-run")
+
+
+def inspect_path(path: Union[str, Path], *, verify: bool = False) -> Union[CheckpointReport, RunReport]:
+    """Report for whatever ``path`` holds: one checkpoint, or a directory of them.
+    ``verify``: an rl checkpoint's files are checked against its manifest's content hashes
+    first (CheckpointError on any mismatch); other formats record no hashes (UserError)."""
+    from engine.errors import UserError
     from engine.inspect.detect import READERS, detect
 
     p = Path(path)
     fmt = detect(p)
-    reader, _ = READERS[fmt]
-    return reader(p, display=str(path))
+    reader, what = READERS[fmt]
+    if not verify:
+        return reader(p, display=str(path))
+    if fmt not in VERIFIABLE:
+        raise UserError(f"--verify checks rl checkpoints against the content hashes their manifest records; "
+                        f"{path} is a {what}, which records none. Drop --verify.", title="nothing to verify")
+    return reader(p, display=str(path), verify=True)
 
 
-def inspect_checkpoint(path: Union[str, Path]) -> CheckpointReport:
+def inspect_checkpoint(path: Union[str, Path], *, verify: bool = False) -> CheckpointReport:
     """Like :func:`inspect_path`, but a run root resolves to its latest step.
 
     Raises CheckpointError when a run root has no step to resolve to.
@@ -40,8 +51,10 @@ def inspect_checkpoint(path: Union[str, Path]) -> CheckpointReport:
             raise CheckpointError(f"{path} is a run root with no complete checkpoint to "
                                   "inspect; pass a step directory explicitly.",
                                   title="no checkpoint")
-        rep = inspect_path(Path(path) / rep.latest)
+        rep = inspect_path(Path(path) / rep.latest, verify=verify)
         rep.notes.append(f"{path} is a run root: using its latest step, {Path(rep.path).name}")
+    elif verify:
+        rep = inspect_path(path, verify=True)
     return rep
 
 

@@ -36,6 +36,8 @@ class DcpContents:
     version: Optional[str] = None
     problems: list[str] = field(default_factory=list)  # truncated or missing data files
     notes: list[str] = field(default_factory=list)
+    # non-tensor entries: name -> (data file, offset, length, transformed) of its pickled bytes
+    object_locations: dict[str, tuple[str, int, int, bool]] = field(default_factory=dict)
 
 
 def is_dcp_dir(path: Path) -> bool:
@@ -73,6 +75,9 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
             + ". DCP writes .metadata last, so the save that wrote this directory did not "
             "finish. Pick another checkpoint (or re-save this one).",
             title="incomplete checkpoint")
+    from engine.inspect.files import require_regular_file
+
+    require_regular_file(meta_path, f"{shown}/{METADATA_FILE}")
     md = load_pickle(meta_path.read_bytes(), source=f"{shown}/{METADATA_FILE}")
     sdm = _attr(md, "state_dict_metadata")
     if not isinstance(sdm, dict):
@@ -82,6 +87,7 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
             title="corrupt checkpoint")
 
     out = DcpContents(version=_attr(md, "version"))
+    out_locations: dict[str, tuple[str, int, int, bool]] = {}
     stored: dict[str, int] = {}
     ends: dict[str, int] = {}
     storage_data = _attr(md, "storage_data")
@@ -92,6 +98,8 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
                 continue
             fqn = _attr(index, "fqn", "")
             stored[fqn] = stored.get(fqn, 0) + length
+            if isinstance(fqn, str):
+                out_locations[fqn] = (rel, off, length, bool(_attr(info, "transform_descriptors")))
             ends[rel] = max(ends.get(rel, 0), off + length)
     else:
         out.notes.append("storage layout is not the filesystem writer's: data files not checked")
@@ -108,6 +116,8 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
         elif qual.endswith("BytesStorageMetadata"):
             out.objects.append(ObjectInfo(name=name, type="bytes", group=group(name, False),
                                           stored_bytes=stored.get(name)))
+            if name in out_locations:
+                out.object_locations[name] = out_locations[name]
         else:
             raise CheckpointError(
                 f"{shown}/{METADATA_FILE}: entry {name!r} has unknown storage type "
@@ -127,6 +137,62 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
     return out
 
 
+MAX_OBJECT_BYTES = 16 << 20       # one non-tensor entry (a pickled param-group value is ~1 KiB)
+MAX_OBJECTS_TOTAL = 256 << 20     # all of them together
+
+
+def read_object_values(root: Path, c: DcpContents, *, display: Optional[str] = None) -> dict[str, object]:
+    """The values of a DCP directory's non-tensor entries (optimizer param-group values...),
+    read from the data files through the restricted unpickler: a value that would run code
+    is refused (UnsafePickleError) here, before anything else reads it. Entries stored with
+    a stream transform (compression) are skipped: their bytes are not a pickle."""
+    from engine.inspect.files import require_regular_file
+    from engine.inspect.safe_unpickle import PickleTooLargeError, read_torch_archive_bytes
+
+    shown = display or str(root)
+    out: dict[str, object] = {}
+    total = 0
+    by_file: dict[str, list[tuple[str, int, int]]] = {}
+    for name, (rel, off, length, transformed) in c.object_locations.items():
+        if not transformed:
+            by_file.setdefault(rel, []).append((name, off, length))
+    for rel, items in sorted(by_file.items()):
+        path = root / rel
+        require_regular_file(path, f"{shown}/{rel}")
+        with open(path, "rb") as f:
+            for name, off, length in sorted(items, key=lambda x: x[1]):
+                total += length
+                if length > MAX_OBJECT_BYTES or total > MAX_OBJECTS_TOTAL:
+                    raise PickleTooLargeError(
+                        f"{shown}: entry {name!r} is {length:,} bytes ({total:,} with those before it); rl "
+                        f"reads non-tensor entries of at most {MAX_OBJECT_BYTES:,} bytes, "
+                        f"{MAX_OBJECTS_TOTAL:,} in all.", title="checkpoint too large")
+                f.seek(off)
+                data = f.read(length)
+                if len(data) != length:
+                    raise CheckpointError(f"{shown}/{rel} is truncated: entry {name!r} ends at byte "
+                                          f"{off + length:,}.", title="corrupt checkpoint")
+                archive = read_torch_archive_bytes(data, display=f"{shown}/{rel} (entry {name})")
+                out[name] = archive.obj
+    return out
+
+
+def fill_object_previews(root: Path, c: DcpContents, *, display: Optional[str] = None) -> None:
+    """Read every non-tensor entry safely (refusing one that would run code) and show its value."""
+    from engine.inspect.torch_save import preview
+
+    values = read_object_values(root, c, display=display)
+    for o in c.objects:
+        if o.name in values:
+            v = values[o.name]
+            o.type = _type_name(v)
+            o.preview = preview(v)
+
+
+def _type_name(v) -> str:
+    return v.qualname if isinstance(v, Record) else type(v).__name__
+
+
 def raise_problems(shown: str, problems: list[str]) -> None:
     """Data-file problems make a checkpoint unusable: one clear error listing them all."""
     if problems:
@@ -141,6 +207,7 @@ def inspect_dcp(path: Path, *, display: Optional[str] = None) -> CheckpointRepor
     shown = display or str(path)
     c = read_dcp(path, display=shown)
     raise_problems(shown, c.problems)
+    fill_object_previews(path, c, display=shown)
     from engine.inspect.coverage import rl_coverage
 
     rep = CheckpointReport(

@@ -49,6 +49,10 @@ def detect(path: Path) -> str:
                               "(e.g. ckpt/ or ckpt/step_40).", title="no such checkpoint")
     if path.is_file():
         return _detect_file(path)
+    if not path.is_dir():  # a FIFO, a device (/dev/zero), a socket: never opened
+        from engine.inspect.files import require_regular_file
+
+        require_regular_file(path, str(path))
     if rl_checkpoint.is_rl_step(path):
         return "rl"
     if rl_checkpoint.is_rl_run(path):

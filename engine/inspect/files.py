@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,13 +31,36 @@ def list_files(root: Path, *, relative_to: Optional[Path] = None) -> list[FileIn
     return out
 
 
+MAX_JSON_BYTES = 256 << 20  # side files are kilobytes; a larger one is refused unread
+
+
+def require_regular_file(path: Path, shown: str) -> None:
+    """Refuse (CheckpointError) anything but a regular file, before opening it: a FIFO would
+    block forever and a device (/dev/zero) never ends."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {shown}: {e.strerror or e}.", title="unreadable checkpoint") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "not a regular file")
+        raise CheckpointError(f"{shown} is {kind}, not a checkpoint file; it is not read. Pass a checkpoint "
+                              "directory or file (e.g. ckpt/ or ckpt/step_40).", title="not a checkpoint")
+
+
 def read_json(path: Path, *, what: str) -> Any:
     """Parse a JSON side file; a corrupt one is a CheckpointError naming ``what``."""
+    require_regular_file(path, what)
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{what} ({path}) is {path.stat().st_size:,} bytes; a checkpoint's JSON files are "
+                              "kilobytes. Refused unread.", title="corrupt checkpoint")
     try:
         return json.loads(path.read_text())
     except OSError as e:
         raise CheckpointError(f"cannot read {what} ({path}): {e.strerror}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(
             f"{what} ({path}) is truncated or corrupt: not valid JSON ({e}). "
             "The save that wrote it did not finish; pick another checkpoint.",

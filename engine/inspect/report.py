@@ -157,6 +157,7 @@ class CheckpointReport:
     config_check: str = ""  # how the config check went ("" when there is no config)
     notes: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # format-specific facts (samples_seen...)
+    verification: Optional[dict] = None  # --verify: engine.checkpoint.verify.Verification.to_json()
 
     @property
     def total_bytes(self) -> int:
@@ -208,6 +209,7 @@ class CheckpointReport:
             "versions": dict(self.versions),
             "info": dict(self.info),
             "notes": list(self.notes),
+            "verification": self.verification,
         }
         if keys is not None:
             out["keys"] = keys
@@ -228,12 +230,13 @@ class StepInfo:
     latest: bool = False
     created: str = ""
     samples_seen: Optional[int] = None
+    verification: Optional[dict] = None  # --verify on a run root: each complete step's result
 
     def to_json(self) -> dict:
         return {"name": self.name, "step": self.step, "complete": self.complete,
                 "reason": self.reason, "bytes": self.bytes, "files": self.files,
                 "latest": self.latest, "created": self.created,
-                "samples_seen": self.samples_seen}
+                "samples_seen": self.samples_seen, "verification": self.verification}
 
 
 @dataclass

@@ -17,7 +17,7 @@ from engine.checkpoint.layout import manifest_file_problems
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
 from engine.inspect.coverage import rl_coverage
-from engine.inspect.dcp import read_dcp
+from engine.inspect.dcp import fill_object_previews, read_dcp
 from engine.inspect.files import dir_size, list_files, read_json, read_yaml
 from engine.inspect.grouping import rl_group
 from engine.inspect.report import (CheckpointReport, FileInfo, ObjectInfo, RunReport,
@@ -77,17 +77,24 @@ def _step_from_name(name: str) -> Optional[int]:
     return int(next(g for g in m.groups() if g is not None))
 
 
-    for rel, size in files.items():
-        p = step_dir / rel
-        if not p.is_file():
-            problems.append(f"{rel} is missing (listed in {MANIFEST})")
-        elif isinstance(size, int) and p.stat().st_size != size:
-            problems.append(f"{rel} is {p.stat().st_size:,} bytes, {MANIFEST} says {size:,}")
-    return problems
+def verify_rl_step(path: Path, manifest: Optional[dict], shown: str) -> dict:
+    """--verify: every file's content hash, the manifest's digest and its cross-checks
+    (engine/checkpoint/verify.py); CheckpointError if anything does not match."""
+    from engine.checkpoint.verify import raise_if_corrupt, verify_step
+
+    if manifest is None:
+        raise CheckpointError(f"{shown} has no {MANIFEST} (an interrupted save or a partial copy): there is "
+                              "nothing to verify it against, and rl resume never chooses it.",
+                              title="incomplete checkpoint")
+    v = verify_step(path, manifest, content=True)
+    v.step_dir = shown
+    raise_if_corrupt(v)
+    return v.to_json() | {"summary": v.summary}
 
 
-def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointReport:
-    """Report for one `rl` step directory (complete or not)."""
+def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool = False) -> CheckpointReport:
+    """Report for one `rl` step directory (complete or not). ``verify``: check every file's
+    content hash and the manifest's cross-checks first (exit 2 on any mismatch)."""
     shown = display or str(path)
     manifest: Optional[dict] = None
     if (path / MANIFEST).is_file():
@@ -96,10 +103,11 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
             raise CheckpointError(f"{shown}/{MANIFEST} is not a JSON object; it is corrupt.",
                                   title="corrupt checkpoint")
     complete = manifest is not None
+    verification = verify_rl_step(path, manifest, shown) if verify else None
     rep = CheckpointReport(path=shown, format="rl", files=list_files(path),
                            complete=complete,
-                           format_detail="rl checkpoint v1" if complete else
-                           "rl checkpoint v1 (no manifest)")
+                           format_detail=f"rl checkpoint v{manifest.get('version')}" if complete else
+                           "rl checkpoint (no manifest)", verification=verification)
     if not complete:
         why = ("no manifest.json: the save was interrupted, or the directory was copied "
                "by hand; rl resume never chooses it")
@@ -114,9 +122,16 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
         (problems if complete else rep.incomplete_reasons).append(msg)
 
     if manifest is not None:
-        if manifest.get("format") != "rl-checkpoint" or manifest.get("version") != 1:
+        from engine.checkpoint.layout import READABLE_CHECKPOINT_VERSIONS
+
+        if manifest.get("format") != "rl-checkpoint" or \
+                manifest.get("version") not in READABLE_CHECKPOINT_VERSIONS:
             rep.notes.append(f"manifest format/version is {manifest.get('format')!r}/"
-                             f"{manifest.get('version')!r}; this rl reads rl-checkpoint/1")
+                             f"{manifest.get('version')!r}; this rl reads rl-checkpoint/"
+                             + "|".join(map(str, READABLE_CHECKPOINT_VERSIONS)))
+        elif manifest.get("version") == 1:
+            rep.notes.append("a version-1 manifest: it records sizes, not content hashes; --verify checks "
+                             "sizes and cross-checks only")
         for p in manifest_file_problems(path, manifest):
             trouble(p)
 
@@ -125,6 +140,8 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
     if state.is_dir():
         try:
             c = read_dcp(state, display=f"{shown}/state", group=rl_group)
+            if not c.problems:
+                fill_object_previews(state, c, display=f"{shown}/state")
             rep.tensors.extend(c.tensors)
             rep.objects.extend(c.objects)
             for p in c.problems:
@@ -145,6 +162,9 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
             m = RNG_FILE.match(f.name)
             if not m:
                 continue
+            if not f.is_file() or f.is_symlink():
+                trouble(f"rng/{f.name} is not a regular file")
+                continue
             rank = int(m.group(1))
             rng_ranks.append(rank)
             try:
@@ -161,7 +181,7 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None) -> CheckpointR
     # trainer.json
     trainer: dict = {}
     tj = path / "trainer.json"
-    if tj.is_file():
+    if tj.is_file() and not tj.is_symlink():
         try:
             trainer = read_json(tj, what=f"{shown}/trainer.json")
         except CheckpointError as e:
@@ -265,8 +285,9 @@ def _short(v: Any, limit: int = 60) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def inspect_rl_run(path: Path, *, display: Optional[str] = None) -> RunReport:
-    """Every step of an `rl` run root, complete or not, with sizes and the latest."""
+def inspect_rl_run(path: Path, *, display: Optional[str] = None, verify: bool = False) -> RunReport:
+    """Every step of an `rl` run root, complete or not, with sizes and the latest.
+    ``verify``: verify every complete step (CheckpointError naming those that fail)."""
     shown = display or str(path)
     run = RunReport(path=shown, format="rl-run")
     for name in ("run.json", "config.yaml", "overrides.yaml", "versions.json", "metrics.jsonl"):
@@ -330,4 +351,28 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None) -> RunReport:
                              "rl resume would pick it and fail: move it aside")
     if not run.steps:
         run.notes.append("no step_N directories yet")
+    if verify:
+        _verify_run(path, run)
     return run
+
+
+def _verify_run(path: Path, run: RunReport) -> None:
+    from engine.checkpoint.verify import verify_step
+
+    bad = []
+    for info in run.steps:
+        if not info.complete or not STEP_DIR.match(info.name):
+            continue
+        try:
+            m = read_json(path / info.name / MANIFEST, what=f"{info.name}/{MANIFEST}")
+            v = verify_step(path / info.name, m if isinstance(m, dict) else {}, content=True)
+            info.verification = v.to_json() | {"summary": v.summary}
+            problems = v.problems
+        except CheckpointError as e:
+            problems = [e.message]
+        if problems:
+            bad.append(f"{info.name}: {'; '.join(problems[:3])}")
+    if bad:
+        raise CheckpointError(f"{run.path}: {len(bad)} checkpoint(s) do not match their manifest: "
+                              + " | ".join(bad[:6]) + ". Move the damaged ones aside; rl resume picks the "
+                              "latest complete step_N.", title="corrupt checkpoint")

@@ -10,6 +10,14 @@ attribute bags (:class:`Record`). Anything else is refused with :class:`UnsafePi
 before it can be called. Tensor storages are never read: ``persistent_load`` records the
 storage's key, dtype and element count from its persistent id.
 
+Work is bounded, so a small hostile file cannot take the machine down: a pickle larger than
+:data:`MAX_PICKLE_BYTES` is refused unread; ``bytes(n)``/``bytearray(n)`` allocations are
+capped; and the loaded object tree is walked once (:func:`check_bounds`, iteratively) and
+refused if it is deeper than :data:`MAX_DEPTH`, refers to itself, or would expand, counting
+shared references each time they are reached, to more than :func:`node_budget` nodes
+(proportional to the file's size). Every later walk (flattening, previews, JSON) is then
+bounded too: never a ``RecursionError`` or ``MemoryError``.
+
 torch itself is never imported here, so inspecting costs what the metadata costs.
 """
 
@@ -31,6 +39,21 @@ from engine.inspect.dtypes import is_dtype_name, storage_dtype
 
 class UnsafePickleError(CheckpointError):
     """A pickle refers to a class or function that no checkpoint format needs."""
+
+
+MAX_PICKLE_BYTES = 1 << 30     # a pickle (data.pkl, .metadata) larger than this is refused unread
+MAX_DEPTH = 100                # nesting of containers in the loaded tree
+MIN_NODE_BUDGET = 200_000      # nodes a walk may visit, at least ...
+NODES_PER_BYTE = 4             # ... or this many per byte of pickle: work stays proportional to input
+MAX_ALLOC_BYTES = 64 << 20     # bytes(n) / bytearray(n) built from an integer n
+
+
+def node_budget(pickle_bytes: int) -> int:
+    return max(MIN_NODE_BUDGET, NODES_PER_BYTE * pickle_bytes)
+
+
+class PickleTooLargeError(CheckpointError):
+    """A pickle whose object tree is too deep, cyclic, or expands beyond the node budget."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -303,6 +326,18 @@ _PLAIN_TENSOR_TYPES = {"torch.Tensor", "torch.nn.parameter.Parameter",
                        "torch.nn.parameter.Buffer"}
 
 
+def _bounded_alloc(kind: type):
+    def build(*args):
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] > MAX_ALLOC_BYTES:
+            raise PickleTooLargeError(f"the pickle asks for {kind.__name__}({args[0]:,}): more than "
+                                      f"{MAX_ALLOC_BYTES:,} bytes from one integer; refused.",
+                                      title="checkpoint too large")
+        return kind(*args)
+
+    build.__name__ = kind.__name__
+    return build
+
+
 def _records(module: str, *names: str, base: type = Record) -> dict:
     return {(module, n): _record_type(f"{module}.{n}", base) for n in names}
 
@@ -312,8 +347,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): collections.defaultdict,
     **{("builtins", n): getattr(builtins, n)
-       for n in ("set", "frozenset", "complex", "bytearray", "slice", "list", "dict", "tuple",
-                 "int", "float", "str", "bool", "bytes")},
+       for n in ("set", "frozenset", "complex", "slice", "list", "dict", "tuple",
+                 "int", "float", "str", "bool")},
+    ("builtins", "bytes"): _bounded_alloc(bytes),
+    ("builtins", "bytearray"): _bounded_alloc(bytearray),
     ("_codecs", "encode"): _codecs_encode,
     ("argparse", "Namespace"): _record_type("argparse.Namespace"),
     **{("pathlib", n): _path for n in ("Path", "PosixPath", "WindowsPath", "PurePath",
@@ -422,17 +459,70 @@ def _short(obj, limit: int = 80) -> str:
 def load_pickle(data: bytes, *, source: str,
                 persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
     """Unpickle ``data`` with :class:`RestrictedUnpickler`, mapping every failure to a
-    :class:`CheckpointError` that names ``source``."""
+    :class:`CheckpointError` that names ``source``; the result passes :func:`check_bounds`."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise PickleTooLargeError(f"{source} is a {len(data):,}-byte pickle; rl reads pickles of at most "
+                                  f"{MAX_PICKLE_BYTES:,} bytes (checkpoint metadata is far smaller).",
+                                  title="checkpoint too large")
     try:
-        return RestrictedUnpickler(io.BytesIO(data), source=source,
-                                   persistent_load=persistent_load).load()
+        obj = RestrictedUnpickler(io.BytesIO(data), source=source,
+                                  persistent_load=persistent_load).load()
     except CheckpointError:
         raise
+    except (RecursionError, MemoryError) as e:
+        raise PickleTooLargeError(f"{source} could not be unpickled within bounds ({type(e).__name__}); "
+                                  "refused.", title="checkpoint too large") from None
     except Exception as e:  # anything else while reading untrusted bytes means "corrupt"
         raise CheckpointError(
             f"{source} is truncated or corrupt (reading it as a pickle failed: "
             f"{type(e).__name__}: {e}). Copy it again from the machine that wrote it, or pick "
             "another checkpoint.", title="corrupt checkpoint") from None
+    check_bounds(obj, source=source, budget=node_budget(len(data)))
+    return obj
+
+
+def _children(x: Any):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield k
+            yield v
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        yield from x
+    elif isinstance(x, Record):
+        yield from x.__dict__.values()
+
+
+def check_bounds(obj: Any, *, source: str, budget: int, max_depth: int = MAX_DEPTH) -> int:
+    """Walk ``obj`` once, iteratively, as the readers later will (shared references are
+    counted each time they are reached). Refuses a cycle, nesting deeper than ``max_depth``,
+    or more than ``budget`` nodes. Returns the node count."""
+    seen = 0
+    on_path: set[int] = set()
+    stack: list[tuple[Any, int, bool]] = [(obj, 0, False)]
+    while stack:
+        x, depth, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(x))
+            continue
+        seen += 1
+        if seen > budget:
+            raise PickleTooLargeError(
+                f"{source} expands to more than {budget:,} objects (containers that share references can "
+                "describe billions of entries in a few bytes); refused before walking it. A real checkpoint's "
+                "metadata is far smaller.", title="checkpoint too large")
+        if not isinstance(x, (dict, list, tuple, set, frozenset, Record)):
+            continue
+        if id(x) in on_path:
+            raise PickleTooLargeError(f"{source} holds a container that contains itself; no checkpoint "
+                                      "format writes that. Refused.", title="corrupt checkpoint")
+        if depth >= max_depth:
+            raise PickleTooLargeError(f"{source} nests containers more than {max_depth} deep; no checkpoint "
+                                      "format writes that. Refused.", title="corrupt checkpoint")
+        on_path.add(id(x))
+        stack.append((x, depth, True))
+        for c in _children(x):
+            stack.append((c, depth + 1, False))
+    return seen
 
 
 # ---------------------------------------------------------------------------------------
@@ -456,14 +546,28 @@ def read_torch_archive(path: Path, *, display: Optional[str] = None) -> TorchArc
     """Read a ``torch.save`` file's object tree (``data.pkl``) and its storages' sizes.
 
     Only ``data.pkl`` and the zip directory are read; storage records are sized from the
-    directory. Raises :class:`CheckpointError` for anything that is not a readable archive.
+    directory. Raises :class:`CheckpointError` for anything that is not a readable archive
+    (including anything that is not a regular file: a FIFO or device is never opened).
     """
     source = display or str(path)
+    from engine.inspect.files import require_regular_file
+
+    require_regular_file(Path(path), source)
     try:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as e:
         raise CheckpointError(f"cannot read {source}: {e.strerror}.") from None
+    return _read_archive(path, head, source)
+
+
+def read_torch_archive_bytes(data: bytes, *, display: str) -> TorchArchive:
+    """Like :func:`read_torch_archive`, for a ``torch.save`` archive held in memory (DCP stores
+    each non-tensor entry as one)."""
+    return _read_archive(io.BytesIO(data), data[:4], display)
+
+
+def _read_archive(path, head: bytes, source: str) -> TorchArchive:
     if head != ZIP_MAGIC:
         if head[:2] == b"\x80\x02":
             raise CheckpointError(
@@ -476,7 +580,7 @@ def read_torch_archive(path: Path, *, display: Optional[str] = None) -> TorchArc
             "format.", title="corrupt checkpoint")
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+    except Exception as e:  # BadZipFile, OSError, and whatever a crafted directory provokes
         raise CheckpointError(
             f"{source} is truncated or corrupt: its zip directory cannot be read ({e}). "
             "A torch.save file is unusable without it; copy it again or pick another "
@@ -492,9 +596,13 @@ def read_torch_archive(path: Path, *, display: Optional[str] = None) -> TorchArc
         prefix = f"{archive}/data/"
         storages = {i.filename[len(prefix):]: i.file_size
                     for i in infos if i.filename.startswith(prefix)}
+        if pkl[0].file_size > MAX_PICKLE_BYTES:
+            raise PickleTooLargeError(f"{source}: data.pkl says it is {pkl[0].file_size:,} bytes; rl reads "
+                                      f"pickles of at most {MAX_PICKLE_BYTES:,} bytes.", title="checkpoint too large")
         try:
-            data = zf.read(pkl[0])
-        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            with zf.open(pkl[0]) as member:  # never trust the declared size: read at most the cap
+                data = member.read(MAX_PICKLE_BYTES + 1)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
             raise CheckpointError(f"{source}: data.pkl cannot be read ({e}); the file is "
                                   "corrupt.", title="corrupt checkpoint") from None
 

@@ -55,7 +55,7 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix or "<root>", obj
 
 
-def _preview(v: Any, limit: int = 60) -> str:
+def preview(v: Any, limit: int = 60) -> str:
     if isinstance(v, (list, tuple)) and len(v) > 8:
         return f"{type(v).__name__} of {len(v)}"
     s = repr(to_plain(v))
@@ -71,7 +71,7 @@ def leaf_entry(name: str, v: Any, group: str) -> TensorInfo | ObjectInfo:
         return TensorInfo(name=name, dtype=numpy_dtype_name(v.dtype), shape=v.shape,
                           group=group, placement="numpy")
     tname = v.qualname if isinstance(v, Record) else type(v).__name__
-    return ObjectInfo(name=name, type=tname, group=group, preview=_preview(v))
+    return ObjectInfo(name=name, type=tname, group=group, preview=preview(v))
 
 
 def _placement(t: TensorRef) -> str:

@@ -82,6 +82,6 @@ class RunDir:
         trainer_state = {"step": step, "samples_seen": stream.pos.samples_seen, "data": stream.state_dict(),
                          "learned_buckets": workers.bucket_state(),
                          "lr_scheduler": extra["lr_scheduler"]}
-        final = finalize_checkpoint(self.path, step, trainer_state, manifest)
+        final = finalize_checkpoint(self.path, step, trainer_state, manifest, extra.get("files"))
         prune(self.path, cfg.checkpoint.keep_last)
         return final

@@ -205,8 +205,9 @@ class RankWorker:
     def save(self, run_dir: str, step: int) -> dict:
         from engine.checkpoint.save import rng_state, save_rank_state
 
-        save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank, rng_state(self.generator))
-        return {"lr_scheduler": self.engine.lr_scheduler.state_dict()}
+        files = save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank,
+                                rng_state(self.generator))
+        return {"lr_scheduler": self.engine.lr_scheduler.state_dict(), "files": files}
 
     def checkpoint_facts(self) -> dict:
         """What the manifest records about the model and optimizer (rank 0 asks)."""

@@ -227,8 +227,13 @@ class WorkerGroup:
         return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
     def save(self, run_dir: str, step: int) -> dict:
-        """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler)."""
-        return self._all("save", [(run_dir, step)] * len(self.actors), "the checkpoint save")[0]
+        """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler) and, under
+        "files", every rank's {file: [bytes, content hash]} (hashed while written)."""
+        outs = self._all("save", [(run_dir, step)] * len(self.actors), "the checkpoint save")
+        files = {}
+        for o in outs:
+            files.update(o.get("files") or {})
+        return outs[0] | {"files": files}
 
     def load(self, step_dir: str, plan: dict) -> list[dict]:
         return self._all("load", [(step_dir, plan)] * len(self.actors), "the checkpoint load")

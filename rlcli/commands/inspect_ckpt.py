@@ -22,6 +22,9 @@ EPILOG = """\
   [dim]# what changed: tensor keys, shapes, dtypes, config values[/]
   rl inspect-ckpt ckpt/step_40 --diff ckpt/step_80
 
+  [dim]# is every byte what the save wrote? (content hashes, manifest cross-checks)[/]
+  rl inspect-ckpt ckpt/step_40 --verify
+
   [dim]# the same facts as JSON, for scripts[/]
   rl inspect-ckpt ckpt/step_40 --json | jq .groups
 
@@ -29,7 +32,8 @@ EPILOG = """\
   rl inspect-ckpt /models/Qwen2.5-0.5B
   rl inspect-ckpt verl_ckpt/global_step_100
 
-Only metadata is read; pickled files go through a restricted reader that never runs code.
+Only metadata (and small non-tensor values) is read; pickled files go through a restricted,
+bounded reader that never runs code. Threat model and checks: docs/security.md.
 """
 
 
@@ -57,6 +61,10 @@ def register(app: typer.Typer) -> None:
             None, "--diff", metavar="OTHER",
             help="compare with checkpoint OTHER: tensors added/removed, shapes, dtypes, config"),
         json_out: bool = typer.Option(False, "--json", help="print the report as JSON on stdout"),
+        verify: bool = typer.Option(
+            False, "--verify",
+            help="rl checkpoints: check every file against the content hashes in its manifest, and the "
+                 "manifest against the shards (reads every byte once; exit 2 on any mismatch)"),
     ) -> None:
         from engine.errors import UserError
         from engine.inspect import diff_paths, inspect_checkpoint, inspect_path
@@ -65,6 +73,9 @@ def register(app: typer.Typer) -> None:
         from rlcli.render import inspect as render
 
         if diff is not None:
+            if verify:
+                call_engine(_raise, UserError("--verify and --diff do not combine: verify each checkpoint "
+                                              "with its own `rl inspect-ckpt PATH --verify`.", title="usage"))
             d = call_engine(diff_paths, path, diff)
             if keys is not None:
                 d = call_engine(_filter_diff, d, keys)
@@ -74,7 +85,7 @@ def register(app: typer.Typer) -> None:
                 render.render_diff(d, console)
             return
 
-        rep = call_engine(inspect_checkpoint if keys is not None else inspect_path, path)
+        rep = call_engine(inspect_checkpoint if keys is not None else inspect_path, path, verify=verify)
         if keys is not None and not rep.select(keys):
             sample = ", ".join(t.name for t in rep.tensors[:4]) or "none (no tensors)"
             call_engine(_raise, UserError(

@@ -14,10 +14,12 @@ EPILOG = """[bold]Examples[/]
   rl resume ckpt/ trainer.nprocs=1                [dim]# saved with 2 ranks, resumed with 1 (DCP reshards)[/]
   rl resume ckpt/ --dry-run                       [dim]# print what would be restored; load nothing[/]
   rl resume ckpt/ --dry-run --json                [dim]# the same plan as JSON[/]
+  rl resume ckpt/ --no-verify                     [dim]# skip content hashes (huge checkpoints; said in red)[/]
 
 Allowed changes: trainer.total_steps, trainer.nprocs, logging/validation cadence, checkpoint.save_freq/
 keep_last, memory settings (offload, micro-batches). Refused: model.*, task.*, data.*, optim.*, algorithm.*,
-engine.name, trainer.seed, sampling settings. Details: docs/resume.md."""
+engine.name, trainer.seed, sampling settings. Every file is verified against the content hashes in the
+manifest before anything loads; nothing in a checkpoint can run code. Details: docs/resume.md, docs/security.md."""
 
 
 def complete_path(incomplete: str):
@@ -47,6 +49,10 @@ def register(app: typer.Typer) -> None:
         allow_partial: Annotated[bool, typer.Option(
             "--allow-partial", help="Resume even if optimizer state the manifest promises is missing: those "
             "parameters restart from the initial AdamW state (said in red).", rich_help_panel="Checkpoint")] = False,
+        no_verify: Annotated[bool, typer.Option(
+            "--no-verify", help="Skip checking every file's content hash against the manifest (for huge "
+            "checkpoints; sizes, structure and cross-checks are still checked). Said in red.",
+            rich_help_panel="Checkpoint")] = False,
         json_out: Annotated[bool, typer.Option(
             "--json", help="--dry-run: the plan as JSON on stdout. Otherwise the final summary as JSON on stdout "
             "(plan and progress go to stderr).", rich_help_panel="Output")] = False,
@@ -60,7 +66,8 @@ def register(app: typer.Typer) -> None:
 
         from engine.checkpoint.load import plan_resume
 
-        plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial)
+        plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial,
+                           verify=not no_verify)
         if json_out and dry_run:
             print_json(plan.to_json())
         else:

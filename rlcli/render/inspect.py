@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from engine.inspect.files import human_bytes
@@ -49,6 +50,10 @@ def render_checkpoint(rep, console: Console, keys: Optional[str] = None) -> None
     else:
         summary.add_row("status", "[red]INCOMPLETE[/]: " + "; ".join(rep.incomplete_reasons))
     summary.add_row("on disk", f"{human_bytes(rep.total_bytes)} in {len(rep.files)} files")
+    if rep.verification is not None:
+        v = rep.verification
+        style = "yellow" if v.get("legacy") else "green"
+        summary.add_row("verified", f"[{style}]{escape(str(v.get('summary', '')))}[/]")
     for k, v in rep.info.items():
         if isinstance(v, (str, int, float)) or (isinstance(v, list) and len(v) <= 4):
             summary.add_row(k.replace("_", " "), str(v))
@@ -158,6 +163,8 @@ def render_run(run, console: Console) -> None:
             status = "[yellow]incomplete[/]"
         if s.latest:
             status += " [bold](latest)[/]"
+        if s.verification is not None:
+            status += " [green]verified[/]" if not s.verification.get("legacy") else " [yellow]sizes only[/]"
         t.add_row(s.name, "-" if s.step is None else str(s.step), status, human_bytes(s.bytes),
                   str(s.files), "-" if s.samples_seen is None else f"{s.samples_seen:,}",
                   s.created or "-", s.reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,15 @@ def resume_table(plan) -> Group:
     t.add_column()
     t.add_column(style="dim")
     t.add_row("checkpoint", f"{plan.step_dir}", f"written {plan.created}")
+    v = plan.verification or {}
+    if v:
+        summary = escape(str(v.get("summary", "")))
+        if v.get("legacy"):
+            t.add_row("verified", f"[yellow]{summary}[/]", "manifest.json (version 1)")
+        elif not v.get("content"):
+            t.add_row("verified", f"[bold red]{summary}[/]", "--no-verify")
+        else:
+            t.add_row("verified", f"[green]{summary}[/]", "manifest.json hashes + cross-checks")
     for name in plan.skipped:
         t.add_row("", f"[yellow]skipped {name}[/]", "incomplete (no manifest.json): never resumed")
     runs = f"runs {plan.step + 1} .. {plan.total_steps}" if plan.total_steps > plan.step else \
@@ -67,6 +77,6 @@ def resume_table(plan) -> Group:
             c.add_row(ch.key, str(ch.then), str(ch.now), mark, ch.reason)
         parts.append(c)
     for w in plan.warnings:
-        style = "bold red" if w.startswith("--allow-partial") else "yellow"
+        style = "bold red" if w.startswith(("--allow-partial", "--no-verify")) else "yellow"
         parts.append(Text(f"! {w}", style=style))
     return Group(*parts)

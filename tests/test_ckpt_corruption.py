@@ -1,0 +1,260 @@
+"""Damaged and crafted `rl` checkpoints: every kind is detected by `rl resume` and by
+`rl inspect-ckpt --verify` with exit 2, no traceback, and the run directory left exactly as it
+was (every path, size, mtime and content hashed before and after); nothing in a checkpoint
+runs code.
+
+One real checkpoint is made per module (`rl train`, 2 steps, 1 rank) and copied per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.ckpt_tools import edit_manifest, plant_code_in_shard, reseal, tree_state
+
+pytestmark = pytest.mark.slow
+
+STEP = "step_2"
+
+
+def rl(*args, timeout=900):
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("trained") / "run"
+    r = rl("train", "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
+           f"checkpoint.dir={d}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (d / STEP / "manifest.json").is_file()
+    return d
+
+
+def cli(*argv):
+    from rlcli.main import app
+
+    return CliRunner().invoke(app, list(argv), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def flip_bits(path: Path, where: float = 0.5, n: int = 3) -> None:
+    """Same-size damage: flip one bit in each of ``n`` bytes around ``where`` of the file."""
+    data = bytearray(path.read_bytes())
+    at = int(len(data) * where)
+    for i in range(n):
+        data[at + 7 * i] ^= 1 << i
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, keep: float | int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+
+
+def _all_optimizer_absent(m: dict) -> None:
+    m["optimizer"]["param_state"] = {k: False for k in m["optimizer"]["param_state"]}
+
+
+def _data_position(index: int):
+    def edit(step: Path) -> None:
+        tj = step / "trainer.json"
+        t = json.loads(tj.read_text())
+        t["data"]["index"] = index
+        tj.write_text(json.dumps(t, indent=2))
+    return edit
+
+
+def _symlink_to_copy(rel: str):
+    def damage(step: Path, outside: Path) -> None:
+        src = step / rel
+        copy = outside / Path(rel).name
+        if src.is_dir():
+            shutil.copytree(src, copy)
+            shutil.rmtree(src)
+        else:
+            shutil.copy2(src, copy)
+            src.unlink()
+        src.symlink_to(copy)  # identical bytes, reached through a link
+    return damage
+
+
+def _garbage_rng(step: Path, outside: Path) -> None:
+    (step / "rng" / "rank_0.pt").write_bytes(os.urandom(4096))
+    reseal(step)
+
+
+def _fifo(rel: str):
+    def damage(step: Path, outside: Path) -> None:
+        (step / rel).unlink()
+        os.mkfifo(step / rel)
+    return damage
+
+
+# name -> damage(step_dir, a directory outside the run); every one must be refused
+CASES = {
+    # truncations
+    "truncated shard": lambda s, o: truncate(s / "state" / "__0_0.distcp", 0.5),
+    "truncated .metadata": lambda s, o: truncate(s / "state" / ".metadata", 0.9),
+    "truncated rng file": lambda s, o: truncate(s / "rng" / "rank_0.pt", 100),
+    "truncated trainer.json": lambda s, o: truncate(s / "trainer.json", 0.5),
+    "truncated manifest.json": lambda s, o: truncate(s / "manifest.json", 0.5),
+    # same-size bit flips
+    "bit flips in shard": lambda s, o: flip_bits(s / "state" / "__0_0.distcp"),
+    "bit flips in .metadata": lambda s, o: flip_bits(s / "state" / ".metadata", 0.3, 1),
+    "bit flips in rng file": lambda s, o: flip_bits(s / "rng" / "rank_0.pt", 0.6),
+    "bit flip in trainer.json digit": lambda s, o: (s / "trainer.json").write_text(
+        (s / "trainer.json").read_text().replace('"samples_seen": 8', '"samples_seen": 9', 1)),
+    # edited manifest fields
+    "manifest: every optimizer entry absent": lambda s, o: edit_manifest(s, _all_optimizer_absent),
+    "manifest: every optimizer entry absent, resealed": lambda s, o: reseal(s, _all_optimizer_absent),
+    "manifest: step edited": lambda s, o: edit_manifest(s, lambda m: m.update(step=1)),
+    "manifest: a hash edited": lambda s, o: edit_manifest(
+        s, lambda m: m["hashes"]["files"].update({"trainer.json": "0" * 64})),
+    "manifest: world size 2, resealed": lambda s, o: reseal(s, lambda m: m.update(world_size=2)),
+    "manifest: lists a path outside": lambda s, o: reseal(
+        s, lambda m: (m["files"].update({"../run.json": 97}), m["hashes"]["files"].update({"../run.json": "0"}))),
+    "data position 10^9, resealed": lambda s, o: (_data_position(10**9)(s), reseal(s)),
+    "data position off by one, resealed": lambda s, o: (_data_position(7)(s), reseal(s)),
+    # missing files
+    "missing shard": lambda s, o: (s / "state" / "__0_0.distcp").unlink(),
+    "missing .metadata": lambda s, o: (s / "state" / ".metadata").unlink(),
+    "missing rng file": lambda s, o: (s / "rng" / "rank_0.pt").unlink(),
+    "missing rng file, resealed": lambda s, o: ((s / "rng" / "rank_0.pt").unlink(), reseal(s)),
+    "missing trainer.json": lambda s, o: (s / "trainer.json").unlink(),
+    "missing manifest.json": lambda s, o: (s / "manifest.json").unlink(),
+    # extra files
+    "extra shard": lambda s, o: (s / "state" / "__1_0.distcp").write_bytes(b"\0" * 64),
+    "extra rng rank, resealed": lambda s, o: (shutil.copy2(s / "rng" / "rank_0.pt", s / "rng" / "rank_1.pt"),
+                                              reseal(s)),
+    "extra file in step dir": lambda s, o: (s / "notes.txt").write_text("hi"),
+    # garbage that still hashes right
+    "garbage rng file, resealed": _garbage_rng,
+    # symlinks and special files
+    "shard is a symlink to an identical copy": _symlink_to_copy("state/__0_0.distcp"),
+    "rng dir is a symlink to an identical copy": _symlink_to_copy("rng"),
+    "trainer.json is a FIFO": _fifo("trainer.json"),
+}
+
+
+@pytest.fixture(params=sorted(CASES), ids=lambda c: c.replace(" ", "_").replace(",", "").replace(":", ""))
+def damaged(request, trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    CASES[request.param](run / STEP, outside)
+    return request.param, run
+
+
+def _assert_refused(r, run: Path, before: dict) -> None:
+    assert r.exit_code == 2, (r.exit_code, r.output[-3000:])
+    assert "Traceback" not in r.output, r.output[-3000:]
+    assert tree_state(run) == before
+
+
+def test_resume_refuses_every_damage(damaged):
+    """`rl resume` (a real resume, not a dry run) detects the damage before anything loads."""
+    _case, run = damaged
+    before = tree_state(run)
+    r = cli("resume", str(run), "trainer.total_steps=3")
+    _assert_refused(r, run, before)
+
+
+def test_inspect_verify_refuses_every_damage(damaged):
+    _case, run = damaged
+    before = tree_state(run)
+    r = cli("inspect-ckpt", str(run / STEP), "--verify")
+    _assert_refused(r, run, before)
+
+
+def test_the_undamaged_checkpoint_verifies(trained):
+    """The control: the same checks pass on what `rl train` wrote (so each case above fails
+    because of its damage, not because verification fails on everything)."""
+    r = cli("inspect-ckpt", str(trained / STEP), "--verify", "--json")
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.stdout)["verification"]
+    assert v["content"] and not v["legacy"] and not v["problems"] and v["files"] == 4
+    r = cli("resume", str(trained), "trainer.total_steps=3", "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["verification"]["content"] is True
+    r = cli("inspect-ckpt", str(trained), "--verify")
+    assert r.exit_code == 0 and "verified" in r.output
+
+
+def test_no_verify_skips_hashes_and_says_so_in_red(trained, tmp_path):
+    """--no-verify skips the content hashes (a same-size flip then goes unseen by the plan)
+    and the plan says so; structure and cross-checks still run."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    flip_bits(run / STEP / "state" / "__0_0.distcp")
+    r = cli("resume", str(run), "trainer.total_steps=3", "--dry-run", "--no-verify")
+    assert r.exit_code == 0, r.output
+    assert "NOT verified (--no-verify)" in r.output and "--no-verify: file contents were NOT checked" in r.output
+    (run / STEP / "rng" / "rank_0.pt").unlink()
+    r = cli("resume", str(run), "trainer.total_steps=3", "--dry-run", "--no-verify")
+    assert r.exit_code == 2 and "rng/rank_0.pt is missing" in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("command", ["resume", "inspect"])
+def test_code_planted_in_a_shard_never_runs(trained, tmp_path, command):
+    """A shard whose pickled param-group value calls os.system, with .metadata and manifest
+    (sizes, hashes, digest) fixed to match: refused with exit 2, the marker never created."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    marker = tmp_path / "PWNED"
+    entry = plant_code_in_shard(run / STEP, marker)
+    before = tree_state(run)
+    argv = ["resume", str(run), "trainer.total_steps=3"] if command == "resume" else \
+        ["inspect-ckpt", str(run / STEP)]
+    for extra in ([], ["--no-verify"] if command == "resume" else ["--verify"]):
+        r = cli(*argv, *extra)
+        assert r.exit_code == 2, r.output[-3000:]
+        assert "unsafe checkpoint" in r.output and "posix.system" in r.output.replace("\n", "")
+        assert not marker.exists()
+        assert tree_state(run) == before
+    assert entry.startswith("optim.param_groups.")
+
+
+def test_the_ranks_refuse_planted_code_too(trained, tmp_path):
+    """Second guard, on the rank side: DCP loading through safe_reader + SafeLoadPlanner refuses
+    the planted value (DCP's own default planner runs it: the attack is real)."""
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint.safe_dcp import SafeLoadPlanner, safe_reader
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    marker = tmp_path / "PWNED"
+    entry = plant_code_in_shard(run / STEP, marker)
+    state = {entry: 0.0}
+    with pytest.raises(BaseException, match="unsafe checkpoint|not plain data"):
+        dcp.load(state, storage_reader=safe_reader(run / STEP / "state"), planner=SafeLoadPlanner())
+    assert not marker.exists()
+    dcp.load(state, checkpoint_id=str(run / STEP / "state"))  # torch's defaults: weights_only=False
+    assert marker.exists()
+
+
+def test_resume_survives_a_truncated_metrics_row(trained, tmp_path):
+    """A kill during a metrics append leaves half a row: resume warns, drops it, continues,
+    and every row afterwards is whole JSON (one per step)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_me')
+    r = rl("resume", str(run), "trainer.total_steps=3")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "not JSON rows" in " ".join(r.stdout.split())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert (run / "step_3" / "manifest.json").is_file()
+    assert cli("inspect-ckpt", str(run / "step_3"), "--verify").exit_code == 0

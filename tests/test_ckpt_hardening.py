@@ -1,0 +1,206 @@
+"""Checkpoint hardening that needs no trained run (fast): bounded unpickling, special files,
+symlink loops, hashes computed while writing, safe RNG and metadata loading, partial metrics rows.
+(The corrupt-checkpoint matrix and the planted-code attack on a real run: test_ckpt_corruption.py.)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.errors import CheckpointError
+
+
+def cli(*argv):
+    from rlcli.main import app
+
+    return CliRunner().invoke(app, list(argv), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def torch_save_zip(path: Path, data_pkl: bytes) -> Path:
+    """A file laid out as torch.save writes it, holding ``data_pkl`` as its object pickle."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", data_pkl)
+        z.writestr("archive/version", "3\n")
+    return path
+
+
+def shared_reference_bomb() -> bytes:
+    """Nine levels of 10 references to the level below: 10^8+ leaves in a few hundred bytes."""
+    x: list = [0]
+    for _ in range(8):
+        x = [x] * 10
+    return pickle.dumps(x, protocol=2)
+
+
+# ---- finding 4: bounded work in `rl inspect-ckpt` ------------------------------------------
+def test_shared_reference_bomb_is_refused_quickly(tmp_path):
+    """A sub-kilobyte .pt whose containers share references (10^8 leaves) is refused by the
+    node budget, not walked (the old reader flattened every leaf and ran out of memory)."""
+    data = shared_reference_bomb()
+    assert len(data) < 1000
+    f = torch_save_zip(tmp_path / "bomb.pt", data)
+    assert f.stat().st_size < 2000
+    r = cli("inspect-ckpt", str(f))
+    assert r.exit_code == 2, r.output
+    assert "expands to more than" in " ".join(r.output.split()) and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_self_referencing_container_is_refused_not_recursion_error(tmp_path, kind):
+    x: object
+    if kind == "list":
+        x = []
+        x.append(x)
+    else:
+        x = {}
+        x["self"] = x
+    f = torch_save_zip(tmp_path / "loop.pt", pickle.dumps({"state": x}, protocol=2))
+    r = cli("inspect-ckpt", str(f), "--json")
+    assert r.exit_code == 2, r.output
+    assert "contains itself" in " ".join(r.output.split()) and "RecursionError" not in r.output
+
+
+def test_deep_nesting_and_huge_allocations_are_refused():
+    from engine.inspect.safe_unpickle import PickleTooLargeError, load_pickle
+
+    deep = b"\x80\x02" + b"(" * 500 + b"]" + b"l" * 500 + b"."  # 500 nested lists, built iteratively
+    with pytest.raises(PickleTooLargeError, match="nests containers more than"):
+        load_pickle(deep, source="deep.pkl")
+    # bytes(10**12) through an allowed constructor: refused before allocating
+    evil = b"\x80\x02cbuiltins\nbytes\nq\x00\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85q\x01Rq\x02."
+    with pytest.raises(PickleTooLargeError, match="more than"):
+        load_pickle(evil, source="alloc.pkl")
+    # the node budget scales with input: an honest, large but flat structure passes
+    flat = pickle.dumps({f"k{i}": [i, float(i), str(i)] for i in range(100_000)}, protocol=2)
+    assert len(load_pickle(flat, source="flat.pkl")) == 100_000
+
+
+# ---- special files: /dev/zero, FIFOs, symlink loops ----------------------------------------
+def test_devices_and_fifos_are_refused_without_reading(tmp_path):
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    for target in ("/dev/zero", str(fifo)):
+        t0 = time.monotonic()
+        r = cli("inspect-ckpt", target)
+        assert r.exit_code == 2 and "not a checkpoint file" in " ".join(r.output.split()), r.output
+        assert time.monotonic() - t0 < 60  # a hang would be killed by the suite's timeout anyway
+    r = cli("resume", "/dev/zero")
+    assert r.exit_code == 2
+
+
+def test_symlink_loop_named_like_a_step_neither_crashes_nor_blocks_the_save(tmp_path):
+    """A symlink loop named step_13 (or .tmp-step_13) is not a checkpoint: listing skips it,
+    and a save of step 13 moves it aside and writes a complete step_13."""
+    from engine.checkpoint.layout import latest_complete, list_steps
+    from engine.checkpoint.save import finalize_checkpoint, prepare_tmp
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step_13").symlink_to("step_13")
+    (run / ".tmp-step_13").symlink_to(".tmp-step_13")
+    assert list_steps(run) == [] and latest_complete(run) is None
+    r = cli("inspect-ckpt", str(run))
+    assert "Traceback" not in r.output
+    d = prepare_tmp(run, 13)
+    assert d.is_dir() and not d.is_symlink()
+    (d / "rng" / "rank_0.pt").write_bytes(b"x")
+    final = finalize_checkpoint(run, 13, {"step": 13}, {"samples_seen": 0})
+    assert final == run / "step_13" and final.is_dir() and not final.is_symlink()
+    assert [s.step for s in list_steps(run)] == [13] and latest_complete(run).step == 13
+    assert any(p.name.startswith(".stale-step_13-") and p.is_symlink() for p in run.iterdir())
+
+
+# ---- hashes are computed while writing -----------------------------------------------------
+def test_save_reports_hashes_of_what_it_wrote_and_finalize_records_them(tmp_path, monkeypatch):
+    """save_rank_state returns a hash for every file it wrote (DCP shards, .metadata, RNG)
+    without reading them back; finalize records them, covers the manifest with its own
+    digest, and the step verifies."""
+    import torch
+
+    from engine.checkpoint import digest, save
+    from engine.checkpoint.digest import hash_file
+    from engine.checkpoint.verify import verify_step
+
+    run = tmp_path / "run"
+    save.prepare_tmp(run, 1)
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "optim": {"param_groups.w.lr": 0.1}}
+    files = save.save_rank_state(run, 1, state, 0, {"torch": torch.get_rng_state()})
+    assert set(files) == {"state/.metadata", "state/__0_0.distcp", "rng/rank_0.pt"}
+    for rel, (n, h) in files.items():
+        assert (n, h) == hash_file(run / ".tmp-step_1" / rel), rel
+
+    def no_rereading(path):  # finalize must use the reported hashes, not re-read the files
+        raise AssertionError(f"re-read {path}")
+
+    monkeypatch.setattr(save, "hash_file", no_rereading)
+    trainer = {"step": 1, "samples_seen": 4, "data": {"epoch": 0, "index": 4, "samples_seen": 4, "n": 8}}
+    final = save.finalize_checkpoint(run, 1, trainer, {"samples_seen": 4, "world_size": 1, "engine": "fsdp",
+                                                       "optimizer": {"param_state": {"w": True}},
+                                                       "config": {"data": {"train_batch_size": 4}}}, files)
+    m = json.loads((final / "manifest.json").read_text())
+    assert m["version"] == 2 and set(m["hashes"]["files"]) == set(m["files"]) == set(files) | {"trainer.json"}
+    assert m["manifest_digest"] == digest.manifest_digest(m)
+    v = verify_step(final, m)
+    assert v.content and v.problems == [], v.problems
+
+
+def test_legacy_manifest_without_hashes_is_accepted_with_sizes_only(tmp_path):
+    """Policy (docs/security.md): a version-1 manifest (written before hashes) is checked for
+    structure, sizes and cross-checks, and reported as 'sizes only' instead of refused."""
+    from engine.checkpoint.verify import verify_step
+
+    step = tmp_path / "step_1"
+    (step / "state").mkdir(parents=True)
+    (step / "trainer.json").write_text("{}")
+    m = {"format": "rl-checkpoint", "version": 1, "step": 1, "files": {"trainer.json": 2}}
+    v = verify_step(step, m, content=True)
+    assert v.legacy and not v.content and "sizes only" in v.summary
+    m["version"] = 2  # the same manifest claiming version 2 must carry hashes and a digest
+    v = verify_step(step, m, content=True)
+    assert any("no 'manifest_digest'" in p for p in v.problems)
+
+
+# ---- safe loading on the rank side ---------------------------------------------------------
+def test_garbage_rng_file_is_a_checkpoint_error(tmp_path):
+    from engine.checkpoint.load import load_rng_file
+
+    f = tmp_path / "rank_0.pt"
+    f.write_bytes(os.urandom(2048))
+    with pytest.raises(CheckpointError, match="not a readable RNG state"):
+        load_rng_file(f)
+    import torch
+
+    torch.save({"torch": torch.get_rng_state(), "evil": __import__("collections").Counter()}, f)
+    with pytest.raises(CheckpointError):
+        load_rng_file(f)
+
+
+def test_dcp_metadata_that_would_run_code_is_refused_by_the_rank_reader(tmp_path):
+    from engine.checkpoint.safe_dcp import safe_reader
+    from tests.ckpt_tools import RunsCode
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "PWNED")))
+    with pytest.raises(CheckpointError, match="posix.system"):
+        safe_reader(tmp_path).read_metadata()
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_truncated_metrics_row_is_dropped_and_the_file_ends_in_a_newline(tmp_path):
+    from engine.checkpoint.load import truncate_jsonl
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + "\n" + '{"step": 3, "rew')
+    assert truncate_jsonl(p, 2) == 1
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    p.write_text(json.dumps({"step": 1}))  # whole row, no newline: the next append must not glue to it
+    truncate_jsonl(p, 5)
+    assert p.read_text().endswith("\n")
