@@ -25,14 +25,15 @@ def reseal(step_dir: Path, edit: Optional[Callable[[dict], None]] = None) -> dic
     digest), after applying ``edit`` to the manifest."""
     man_path = step_dir / "manifest.json"
     m = json.loads(man_path.read_text())
+    algorithm = (m.get("hashes") or {}).get("algorithm") or "blake2b-256"
     files, hashes = {}, {}
     for p in sorted(step_dir.rglob("*")):
         if p.name == "manifest.json" or p.is_symlink() or not p.is_file():
             continue
         rel = str(p.relative_to(step_dir))
-        files[rel], hashes[rel] = hash_file(p)
+        files[rel], hashes[rel] = hash_file(p, algorithm)
     m["files"] = files
-    m["hashes"] = {"algorithm": "blake2b-256", "files": hashes}
+    m["hashes"] = {"algorithm": algorithm, "files": hashes}
     if edit is not None:
         edit(m)
     m = seal_manifest(m)

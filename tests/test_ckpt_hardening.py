@@ -135,8 +135,9 @@ def test_save_reports_hashes_of_what_it_wrote_and_finalize_records_them(tmp_path
     state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "optim": {"param_groups.w.lr": 0.1}}
     files = save.save_rank_state(run, 1, state, 0, {"torch": torch.get_rng_state()})
     assert set(files) == {"state/.metadata", "state/__0_0.distcp", "rng/rank_0.pt"}
-    for rel, (n, h) in files.items():
-        assert (n, h) == hash_file(run / ".tmp-step_1" / rel), rel
+    for rel, (n, h, algorithm) in files.items():
+        assert algorithm == digest.default_algorithm()
+        assert (n, h) == hash_file(run / ".tmp-step_1" / rel, algorithm), rel
 
     def no_rereading(path):  # finalize must use the reported hashes, not re-read the files
         raise AssertionError(f"re-read {path}")
@@ -204,3 +205,19 @@ def test_truncated_metrics_row_is_dropped_and_the_file_ends_in_a_newline(tmp_pat
     p.write_text(json.dumps({"step": 1}))  # whole row, no newline: the next append must not glue to it
     truncate_jsonl(p, 5)
     assert p.read_text().endswith("\n")
+
+
+def test_hash_algorithm_follows_the_fasthash_extra(tmp_path, monkeypatch):
+    """XXH3 when xxhash is installed (rl[fasthash]), BLAKE2b otherwise; a checkpoint hashed
+    with XXH3 on a machine without xxhash is a clear error naming the extra, not a traceback."""
+    import sys
+
+    from engine.checkpoint import digest
+
+    f = tmp_path / "f"
+    f.write_bytes(b"abc" * 1000)
+    assert digest.hash_file(f, digest.BLAKE2B)[1] == digest.hash_bytes(b"abc" * 1000)
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # as if the package were not installed
+    assert digest.default_algorithm() == digest.BLAKE2B
+    with pytest.raises(CheckpointError, match=r"pip install 'rl\[fasthash\]'"):
+        digest.hash_file(f, digest.XXH3)

@@ -28,6 +28,7 @@ from engine.checkpoint.load import (classify_optimizer_entries, find_checkpoint,
                                     plan_resume, truncate_jsonl)
 from engine.checkpoint.resume_rules import classify
 from engine.errors import CheckpointError
+from tests.ckpt_tools import reseal
 
 TINY = ["trainer.total_steps=4", "checkpoint.save_freq=2", "data.train_batch_size=4", "algorithm.rollout_n=2"]
 
@@ -98,19 +99,22 @@ def _save(eng, run: Path, step: int) -> Path:
     if not (run / "run.json").exists():
         RunDir(run).create(eng.cfg, [], overwrite=False)
     prepare_tmp(run, step)
-    save_rank_state(run, step, eng.checkpoint_state(), 0, rng_state(torch.Generator().manual_seed(7)))
-    manifest = {"samples_seen": 4 * step, "world_size": 1, "engine": eng.cfg.engine.name,
+    files = save_rank_state(run, step, eng.checkpoint_state(), 0, rng_state(torch.Generator().manual_seed(7)))
+    bs = 4  # prompts per step, as the saved config says (the data position must add up)
+    config = asdict(eng.cfg)
+    config["data"]["train_batch_size"] = bs
+    manifest = {"samples_seen": bs * step, "world_size": 1, "engine": eng.cfg.engine.name,
                 "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
                 "model": {"preset": "tiny", "path": "", "num_params": 144, "params": eng.param_shapes()},
                 "optimizer": {"type": "AdamW", "flattened": True, "param_state": eng.optimizer_coverage()},
-                "config": asdict(eng.cfg), "versions": {}}
-    trainer = {"step": step, "samples_seen": 4 * step,
-               "data": {"epoch": 0, "index": 4 * step, "samples_seen": 4 * step, "n": 512, "seed": 0,
+                "config": config, "versions": {}}
+    trainer = {"step": step, "samples_seen": bs * step,
+               "data": {"epoch": 0, "index": bs * step, "samples_seen": bs * step, "n": 512, "seed": 0,
                         "shuffle": True},
                "lr_scheduler": eng.lr_scheduler.state_dict(), "learned_buckets": []}
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": step, "reward_mean": 0.0}) + "\n")
-    return finalize_checkpoint(run, step, trainer, manifest)
+    return finalize_checkpoint(run, step, trainer, manifest, files)
 
 
 def _params(eng) -> dict:
@@ -119,8 +123,9 @@ def _params(eng) -> dict:
 
 def _drop_from_dcp(state_dir: Path, keys: set[str]) -> None:
     """Rewrite a DCP directory's .metadata without ``keys`` (DCP pickles it) and make the step's
-    manifest agree with the new file size: a checkpoint whose manifest claims state that its
-    DCP directory does not hold (a writer that dropped entries, or a hand-edited checkpoint)."""
+    manifest agree with the new file (size, hash, digest): a checkpoint whose manifest claims
+    state that its DCP directory does not hold (a writer that dropped entries, or a hand-edited
+    checkpoint resealed to match)."""
     md_path = state_dir / ".metadata"
     md = pickle.loads(md_path.read_bytes())
     assert keys <= set(md.state_dict_metadata), keys - set(md.state_dict_metadata)
@@ -128,10 +133,7 @@ def _drop_from_dcp(state_dir: Path, keys: set[str]) -> None:
         del md.state_dict_metadata[k]
     md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in keys}
     md_path.write_bytes(pickle.dumps(md))
-    man_path = state_dir.parent / "manifest.json"
-    man = json.loads(man_path.read_text())
-    man["files"]["state/.metadata"] = md_path.stat().st_size
-    man_path.write_text(json.dumps(man))
+    reseal(state_dir.parent)
 
 
 def _snapshot(d: Path) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.digest import (ALGORITHM, hash_file, hashing_writer, json_bytes, seal_manifest,
+from engine.checkpoint.digest import (default_algorithm, hash_file, hashing_writer, json_bytes, seal_manifest,
                                       write_bytes_atomic)
 from engine.checkpoint.layout import (CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, fsync_dir, fsync_tree,
                                       step_dir_name, write_json_atomic)
@@ -63,17 +63,20 @@ def prepare_tmp(run_dir: Path, step: int) -> Path:
 
 def save_rank_state(run_dir: Path, step: int, state: dict, rank: int, rng: dict) -> dict[str, list]:
     """Collective: every rank writes its shards into the temp dir, plus its RNG. Returns
-    ``{relative path: [bytes, blake2b hex]}`` for each file this rank wrote, hashed as written."""
+    ``{relative path: [bytes, hex digest, algorithm]}`` for each file this rank wrote, hashed
+    as written (engine/checkpoint/digest.py)."""
     import torch.distributed.checkpoint as dcp
 
     d = tmp_dir(run_dir, step)
-    writer = hashing_writer(d / "state")
+    algorithm = default_algorithm()
+    writer = hashing_writer(d / "state", algorithm)
     dcp.save(state, storage_writer=writer)
-    out = {str(Path(p).relative_to(d)): [n, h] for p, (n, h) in writer.fs.digests.items()}
+    out = {str(Path(p).relative_to(d)): [n, h, algorithm] for p, (n, h) in writer.fs.digests.items()}
     buf = io.BytesIO()
     torch.save(rng, buf)
     data = buf.getvalue()
-    out[f"rng/rank_{rank}.pt"] = [len(data), write_bytes_atomic(d / "rng" / f"rank_{rank}.pt", data)]
+    out[f"rng/rank_{rank}.pt"] = [len(data), write_bytes_atomic(d / "rng" / f"rank_{rank}.pt", data, algorithm),
+                                  algorithm]
     return out
 
 
@@ -86,8 +89,9 @@ def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest:
     covers every file."""
     d = tmp_dir(run_dir, step)
     digests = dict(digests or {})
+    algorithm = default_algorithm()
     data = json_bytes(trainer_state)
-    digests["trainer.json"] = [len(data), write_bytes_atomic(d / "trainer.json", data)]
+    digests["trainer.json"] = [len(data), write_bytes_atomic(d / "trainer.json", data, algorithm), algorithm]
     fsync_tree(d)
     files, hashes = {}, {}
     for p in sorted(d.rglob("*")):
@@ -95,12 +99,12 @@ def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest:
             rel = str(p.relative_to(d))
             size = p.stat().st_size
             got = digests.get(rel)
-            if got is None or int(got[0]) != size:
-                got = hash_file(p)
+            if got is None or int(got[0]) != size or (got[2] if len(got) > 2 else None) != algorithm:
+                got = hash_file(p, algorithm)  # a file no writer reported (or hashed otherwise)
             files[rel], hashes[rel] = size, str(got[1])
     manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest, "files": files,
-                "hashes": {"algorithm": ALGORITHM, "files": hashes}}
+                "hashes": {"algorithm": algorithm, "files": hashes}}
     write_json_atomic(d / MANIFEST, seal_manifest(manifest))
     final = run_dir / step_dir_name(step)
     if os.path.lexists(final):  # a leftover with the same name (an incomplete dir, a dangling or looping

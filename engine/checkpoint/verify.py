@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from engine.checkpoint.digest import ALGORITHM, MANIFEST_DIGEST_KEY, hash_file, manifest_digest
+from engine.checkpoint.digest import ALGORITHMS, MANIFEST_DIGEST_KEY, hash_file, manifest_digest
 from engine.checkpoint.layout import MANIFEST, STEP_RE
 from engine.errors import CheckpointError
 
@@ -47,6 +47,7 @@ class Verification:
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    algorithm: str = ""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -61,11 +62,11 @@ class Verification:
         if not self.content:
             return f"NOT verified (--no-verify): sizes only, {self.files} files, {size}"
         rate = f", {self.bytes / 2**30 / self.seconds:.2f} GiB/s" if self.seconds > 0 and self.bytes > 2**26 else ""
-        return f"{self.files} files, {size}, {ALGORITHM} in {self.seconds:.2f} s{rate}"
+        return f"{self.files} files, {size}, {self.algorithm} in {self.seconds:.2f} s{rate}"
 
     def to_json(self) -> dict:
         return {"step_dir": self.step_dir, "content": self.content, "legacy": self.legacy, "files": self.files,
-                "bytes": self.bytes, "seconds": round(self.seconds, 4), "algorithm": ALGORITHM,
+                "bytes": self.bytes, "seconds": round(self.seconds, 4), "algorithm": self.algorithm,
                 "problems": list(self.problems)}
 
 
@@ -97,11 +98,13 @@ def verify_step(step_dir: Path, manifest: dict, *, content: bool = True) -> Veri
             v.problems.append(f"{MANIFEST} was edited after it was written (its digest does not match its "
                               f"contents)" if MANIFEST_DIGEST_KEY in manifest else
                               f"{MANIFEST} has no {MANIFEST_DIGEST_KEY!r} although it is version {version!r}")
-        if not isinstance(hashes_block, dict) or hashes_block.get("algorithm") != ALGORITHM or \
+        if not isinstance(hashes_block, dict) or hashes_block.get("algorithm") not in ALGORITHMS or \
                 not isinstance(hashes_block.get("files"), dict):
-            v.problems.append(f"{MANIFEST} records no {ALGORITHM} content hashes although it is version {version!r}")
+            v.problems.append(f"{MANIFEST} records no content hashes ({' or '.join(ALGORITHMS)}) although it is "
+                              f"version {version!r}")
         else:
             hashes = hashes_block["files"]
+            v.algorithm = hashes_block["algorithm"]
             for rel in sorted(set(listed) ^ set(hashes)):
                 v.problems.append(f"{rel} has a size but no hash in {MANIFEST}" if rel in listed else
                                   f"{MANIFEST} has a hash for {rel} but does not list it")
@@ -110,12 +113,12 @@ def verify_step(step_dir: Path, manifest: dict, *, content: bool = True) -> Veri
         for rel in sorted(listed):
             want = hashes.get(rel)
             try:
-                _n, got = hash_file(step_dir / rel)
+                _n, got = hash_file(step_dir / rel, v.algorithm)
             except OSError as e:
                 v.problems.append(f"{rel} cannot be read ({e.strerror or e})")
                 continue
             if got != want:
-                v.problems.append(f"{rel} content differs from what was written ({ALGORITHM} {got[:16]}..., "
+                v.problems.append(f"{rel} content differs from what was written ({v.algorithm} {got[:16]}..., "
                                   f"{MANIFEST} says {str(want)[:16]}...)")
 
     if not v.problems:  # consistency only on files that are what was written
