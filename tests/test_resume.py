@@ -644,8 +644,8 @@ def test_deleted_entry_in_real_checkpoint_refused_then_allow_partial(tmp_path):
 @pytest.mark.slow
 def test_model_that_differs_from_checkpoint_is_refused_by_the_ranks(tmp_path):
     """If the model the config builds differs from the checkpoint's (here: the saved config
-    edited behind rl's back), the ranks refuse before loading anything: exit 2, the differing
-    shapes named, no file modified."""
+    edited behind rl's back, manifest resealed so verification passes), the ranks refuse before
+    loading anything: exit 2, the differing shapes named, no file modified."""
     run = tmp_path / "run"
     r = rl("train", "trainer.total_steps=1", "checkpoint.save_freq=1", "data.train_batch_size=4",
            "algorithm.rollout_n=2", f"checkpoint.dir={run}")
@@ -654,6 +654,7 @@ def test_model_that_differs_from_checkpoint_is_refused_by_the_ranks(tmp_path):
     man = json.loads(man_path.read_text())
     man["config"]["model"]["intermediate_size"] = 96
     man_path.write_text(json.dumps(man))
+    reseal(run / "step_1")
     before = _snapshot(run)
     r = rl("resume", str(run), "trainer.total_steps=2")
     assert r.returncode == 2, r.stderr[-3000:]
