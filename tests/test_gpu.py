@@ -6,7 +6,9 @@ stand-ins where the real library needs CUDA (Transformer Engine); these use the 
 - Transformer Engine FP8 weight workspaces: real te.Linear layers, cleared by offload
   (bench/gpu_check_memory.sh part 2, with figures);
 - megatron-core with the TE layer spec, bf16 and FP8 (bench/gpu_check_megatron.sh);
-- vLLM sleep/wake around an update (bench/gpu_check_vllm.sh).
+- vLLM sleep/wake around an update (bench/gpu_check_vllm.sh);
+- activation offload: peak memory and step time with and without, bit-identical gradients
+  (bench/gpu_check_activation_offload.sh).
 The three scripts print figures and exit 0 (passed), 1 (a check failed) or 2 (a dependency is
 missing, printed as MISSING)."""
 
@@ -52,7 +54,8 @@ def test_cuda_param_and_optimizer_offload_frees_and_restores_exactly():
 
 
 @pytest.mark.parametrize("script,limit", [("bench/gpu_check_memory.sh", 200), ("bench/gpu_check_megatron.sh", 220),
-                                          ("bench/gpu_check_vllm.sh", 200)])
+                                          ("bench/gpu_check_vllm.sh", 200),
+                                          ("bench/gpu_check_activation_offload.sh", 150)])
 def test_gpu_check_script(script, limit):
     r = subprocess.run(["bash", str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "GPU_CHECK_TIMEOUT": str(limit)}, timeout=limit + 30)

@@ -70,7 +70,7 @@ def test_estimate_7b_and_70b_llama_configs_offline_with_json_and_tables():
     assert abs(e7["per_rank"]["optimizer"] - p7 * 12 / 8) / (p7 * 12 / 8) < 0.01
     assert e7["per_rank"]["params"] >= p7 * 2 / 8               # + the all-gathered working set
     m7 = _matrix(r7)
-    assert list(m7) == ["none", "param", "optimizer", "both"]
+    assert list(m7) == ["none", "param", "optimizer", "both", "activations", "all"]
     assert all(isinstance(row["fits"], bool) for row in m7.values())
     assert m7["both"]["device_bytes"] <= m7["optimizer"]["device_bytes"] <= m7["none"]["device_bytes"]
     assert m7["none"]["host_bytes"] == 0 and m7["both"]["host_bytes"] > m7["optimizer"]["host_bytes"] > 0
@@ -108,7 +108,7 @@ def test_estimate_megatron_tp_from_a_local_hf_config_dir(tmp_path):
     assert e["backend"] == "megatron" and e["layout"]["tp"] == 4 and e["layout"]["dp"] == 2
     per_rank_params = e["per_rank"]["params"] / 4               # fp32 (model.dtype default)
     assert 0.24 * e["param_count"] < per_rank_params < 0.30 * e["param_count"]
-    assert len(e["offload_matrix"]) == 4
+    assert len(e["offload_matrix"]) == 6
 
 
 def test_device_memory_sets_the_verdict():
@@ -187,7 +187,7 @@ def test_mem_report_reads_a_real_training_run(tmp_path):
     assert rep["seq_len_source"] in ("kv_cache", "metrics") and 4 < rep["seq_len"] < 76
     assert {m["phase"] for m in rep["measured"]} >= {"rollout", "update", "offload"}
     assert rep["fp8"]["offloads"] == 2 and rep["fp8"]["workspaces_cleared"] == 0
-    assert len(rep["estimate"]["offload_matrix"]) == 4
+    assert len(rep["estimate"]["offload_matrix"]) == 6
     kv = _rows(rep, "rollout")["kv_cache"]
     assert kv["diff_pct"] == 0.0                               # the estimate's length came from it
 

@@ -139,6 +139,20 @@ class TrainEngine(ABC):
     def param_count(self) -> int:
         return 0
 
+    activation_offload = None   # engine.memory.activation_offload.ActivationOffloader, set by build()
+
+    def _end_activation_offload(self) -> None:
+        """After a micro-batch's backward: host buffers back to the pool, bytes to the tracker."""
+        if self.activation_offload is None:
+            return
+        st = self.activation_offload.end_micro_batch()
+        self.activation_stats = st
+        if self.tracker is not None:
+            self.tracker.record_bytes("activations_host", st.host_bytes)
+            if st.tensors_kept and not st.tensors_offloaded:
+                self.tracker.note(f"activation offload: engine.activation_offload_host_cache_limit_gb is below one "
+                                  f"module's saved activations; {st.kept_bytes} B stayed on the device")
+
     def param_shapes(self) -> dict[str, dict]:
         """{checkpoint name: {"shape", "dtype"}} of every parameter (the manifest records it)."""
         return {}

@@ -58,7 +58,12 @@ class FSDPEngine(TrainEngine):
         if c.model.dtype != "float32":  # keep fp32 masters; compute in the low precision
             model = model.float()
         if c.engine.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            if c.engine.activation_offload:  # checkpoint inputs then pass through the offload hooks
+                from engine.memory.activation_offload import use_reentrant_checkpointing
+
+                use_reentrant_checkpointing(model)
+            else:
+                model.gradient_checkpointing_enable()
         ref = copy.deepcopy(model).eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
         self.lora_reference = None
         if c.model.lora.rank:  # the reference stays the base model; the policy gets adapters
@@ -76,6 +81,11 @@ class FSDPEngine(TrainEngine):
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)
         self.model, self.ref_model = model, ref
+        from engine.memory.activation_offload import make_activation_offloader
+
+        names = {id(m): n for n, m in model.named_modules()}
+        self.activation_offload = make_activation_offloader(
+            model, c.engine, [names[id(m)] for m in _decoder_layers(model)], self.device)
         if c.engine.compile:
             self._forward = torch.compile(self.model.forward, dynamic=False)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only
@@ -167,7 +177,9 @@ class FSDPEngine(TrainEngine):
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            with self._measure("activations"):
+            with self._measure("activations") as meter:
+                if self.activation_offload is not None:  # what stays on the device is counted there
+                    self.activation_offload.meter = meter
                 logits = self._forward_logits(self.model, mb.batch)
             with self._measure("logits") as meter:
                 if meter is not None:
@@ -181,6 +193,7 @@ class FSDPEngine(TrainEngine):
             dev_mb = mb.batch.to(self.device)
             loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
             loss.backward()
+            self._end_activation_offload()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             stats.tokens += int(mb.real_tokens)

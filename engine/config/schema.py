@@ -185,6 +185,9 @@ class EngineConfig:
     pad_to_length_max_shapes: int = _f(8, "policy=learned: at most this many distinct lengths", min=1)
     pad_to_length_refresh_steps: int = _f(5, "policy=learned: refit after the first step, then every N steps", min=1)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward")
+    activation_offload: bool = _f(False, "move tensors saved for backward by matching modules to host during the update's forward, back (prefetched) for backward")
+    activation_offload_modules: list = _f([], "glob patterns over module names whose saved activations are offloaded; empty = every decoder layer")
+    activation_offload_host_cache_limit_gb: float = _f(8.0, "host memory per rank for offloaded activations (GiB, reused across micro-batches); beyond it tensors stay on the device and are counted", min=0.0)
     fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)")
     compile: bool = _f(False, "torch.compile the model's forward")
 

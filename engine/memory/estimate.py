@@ -405,7 +405,8 @@ def _fmt(n: float) -> str:
 
 
 def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], device_memory_bytes: Optional[int],
-             attn_implementation: str, param_offload: bool, optimizer_offload: bool) -> dict:
+             attn_implementation: str, param_offload: bool, optimizer_offload: bool,
+             activation_offload: bool = False) -> dict:
     """Per-phase device bytes for one config and offload setting (no model building)."""
     lay = _layout(run_cfg)
     sh = _shapes(run_cfg, lay, seq_len)
@@ -461,7 +462,17 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         layers=layers_rank)
     in_flight = min(lay.pp, max(1, math.ceil(sh.mini_batch_seqs / sh.micro_seqs))) if lay.pp > 1 else 1
     activations = act["total"] * in_flight
+    act_host = 0
+    if activation_offload:  # engine/memory/activation_offload.py: decoder layers' saved tensors
+        s_tok = seqs_cp * t_cp
+        unit = (dims.hidden_size * s_tok * a // (lay.tp if lay.sp else 1)) if e.gradient_checkpointing \
+            else act["per_layer"]
+        act_host = min(layers_rank * unit * in_flight, int(e.activation_offload_host_cache_limit_gb * (1 << 30)))
+        activations = activations - act_host + min(act_host, 2 * unit)  # computing + prefetched layer
     f["activations"] = act["formula"] + (f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else "")
+    if act_host:
+        f["activations"] += (f"; offloaded to host: {_fmt(act_host)} ({layers_rank} layers x {unit:,} B, capped at "
+                             f"{e.activation_offload_host_cache_limit_gb} GiB), 2 layers in flight on the device")
     tokens = seqs_cp * t_cp
     v_rank = math.ceil(dims.vocab_size / lay.tp)
     n_buf_train = (a + (4 if a != 4 else 0) + 4 + (4 if run_cfg.algorithm.entropy_coef > 0 else 0))
@@ -496,7 +507,7 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
 
     def add(name, **cats):
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-        phases.append(PhaseEstimate(name, cats, sum(cats.values())))
+        phases.append(PhaseEstimate(name, cats, sum(v for c, v in cats.items() if c != "activations_host")))
 
     roll_params = (resident_params if vllm else params + (0 if param_offload else ref)) + gen_copy
     add("rollout", params=roll_params, optimizer=resident_opt, logits=sample_logits,
@@ -510,7 +521,7 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         add("ref_log_probs", params=ref + gather + (0 if param_offload else params), optimizer=resident_opt,
             logits=logits_eval, fp8_workspaces=fp8)
     add("update", params=params + gather + (0 if param_offload else ref), grads=grads, optimizer=optimizer,
-        activations=activations, logits=logits_train, fp8_workspaces=fp8)
+        activations=activations, activations_host=act_host, logits=logits_train, fp8_workspaces=fp8)
     critic = 0
     if run_cfg.algorithm.name == "ppo":  # engine/backends/critic.py: a copy of the network, own AdamW, never offloaded
         critic, critic_opt = params, optimizer
@@ -524,15 +535,17 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
             optimizer=critic_opt + resident_opt, activations=activations, fp8_workspaces=resident_fp8)
         optimizer += critic_opt
     peak = max(phases, key=lambda p: p.total)
-    host = (params + ref if param_offload else 0) + (optimizer if optimizer_offload else 0)
+    host = (params + ref if param_offload else 0) + (optimizer if optimizer_offload else 0) + act_host
     per_rank = {"params": params + gather + ref + critic, "grads": grads, "optimizer": optimizer,
-                "activations": activations, "logits": logits_train, "fp8_workspaces": fp8, "kv_cache": kv}
+                "activations": activations, "activations_host": act_host, "logits": logits_train,
+                "fp8_workspaces": fp8, "kv_cache": kv}
     assumptions = {
         "seq_len": sh.seq_len, "sequences_per_rank_per_step": sh.seqs_per_step,
         "mini_batch_sequences_per_rank": sh.mini_batch_seqs, "micro_batch_sequences": sh.micro_seqs,
         "micro_batch_tokens": sh.micro_tokens, "rollout_sequences_at_once": sh.rollout_seqs,
         "param_dtype": run_cfg.model.dtype, "attn_implementation": attn_implementation if lay.backend == "fsdp" else "flash (TE)",
-        "gradient_checkpointing": e.gradient_checkpointing, "reference_policy": has_ref,
+        "gradient_checkpointing": e.gradient_checkpointing, "activation_offload": activation_offload,
+        "reference_policy": has_ref,
         "rollout": run_cfg.rollout.name, "grads_released_after_step": True,
         "offload_schedule": "offloaded state is brought back only for the phases that use it",
     }
@@ -562,6 +575,9 @@ def _candidate_fixes(run_cfg: RunConfig, lay: _Layout, sh: _Shapes) -> list[tupl
     if not e.optimizer_offload:
         out.append(("optimizer offload", {"engine.optimizer_offload": True},
                     "optimizer state is on the device only for the update"))
+    if not e.activation_offload:
+        out.append(("activation offload", {"engine.activation_offload": True},
+                    "decoder layers' saved activations wait in host memory between forward and backward"))
     if not e.gradient_checkpointing:
         out.append(("gradient checkpointing", {"engine.gradient_checkpointing": True},
                     "keep only each layer's input; recompute the rest in backward"))
@@ -604,16 +620,19 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
         device_memory_bytes = _local_device_memory()
     kw = dict(seq_len=seq_len, device_memory_bytes=device_memory_bytes, attn_implementation=attn_implementation)
     e = run_cfg.engine
-    cur = _compute(st, run_cfg, param_offload=e.param_offload, optimizer_offload=e.optimizer_offload, **kw)
+    cur = _compute(st, run_cfg, param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
+                   activation_offload=e.activation_offload, **kw)
 
     matrix = []
     for mode in OFFLOAD_MODES:
-        po, oo = mode in ("param", "both"), mode in ("optimizer", "both")
-        r = cur if (po, oo) == (e.param_offload, e.optimizer_offload) else _compute(
-            st, run_cfg, param_offload=po, optimizer_offload=oo, **kw)
+        po, oo = mode in ("param", "both", "all"), mode in ("optimizer", "both", "all")
+        ao = mode in ("activations", "all")
+        r = cur if (po, oo, ao) == (e.param_offload, e.optimizer_offload, e.activation_offload) else _compute(
+            st, run_cfg, param_offload=po, optimizer_offload=oo, activation_offload=ao, **kw)
         fits, head = _fits(r["peak"].total, device_memory_bytes)
         matrix.append(WhatIfRow(mode, [f"engine.param_offload={str(po).lower()}",
-                                       f"engine.optimizer_offload={str(oo).lower()}"],
+                                       f"engine.optimizer_offload={str(oo).lower()}",
+                                       f"engine.activation_offload={str(ao).lower()}"],
                                 r["peak"].total, r["peak"].phase, r["host"], fits, head))
 
     fixes = []
@@ -621,7 +640,8 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
         try:
             cfg2 = _with_overrides(run_cfg, ov)
             r = _compute(st, cfg2, param_offload=cfg2.engine.param_offload,
-                         optimizer_offload=cfg2.engine.optimizer_offload, **kw)
+                         optimizer_offload=cfg2.engine.optimizer_offload,
+                         activation_offload=cfg2.engine.activation_offload, **kw)
         except ConfigError:
             continue
         saved = cur["peak"].total - r["peak"].total

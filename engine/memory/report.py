@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Optional
 
 # Categories of bytes, in display order. Every estimate and measurement uses these keys.
-CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "fp8_workspaces", "kv_cache")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "activations_host", "logits", "fp8_workspaces",
+              "kv_cache")
 CATEGORY_HELP = {
     "params": "model parameters held on the rank (policy + reference)",
     "grads": "gradients",
     "optimizer": "optimizer state (AdamW moments; fp32 master copy when params are bf16)",
-    "activations": "tensors saved for backward by the model's forward (one micro-batch)",
+    "activations": "tensors saved for backward by the model's forward (one micro-batch), on the device",
+    "activations_host": "saved activations offloaded to host memory (engine.activation_offload; one micro-batch)",
     "logits": "logits and log-prob buffers ([tokens, vocab] per micro-batch)",
     "fp8_workspaces": "Transformer-Engine FP8 weight copies (_fp8_workspaces)",
     "kv_cache": "rollout KV cache",
@@ -30,7 +32,8 @@ CATEGORY_HELP = {
 PHASES = ("rollout", "old_log_probs", "ref_log_probs", "values", "update", "critic_update", "weight_sync", "offload",
           "onload")  # values / critic_update: algorithm=ppo's critic
 
-OFFLOAD_MODES = ("none", "param", "optimizer", "both")
+# what-if rows: param / optimizer state offload, and activation offload (alone, and with both)
+OFFLOAD_MODES = ("none", "param", "optimizer", "both", "activations", "all")
 
 RECORDS_FILE = "memory.jsonl"
 
@@ -105,7 +108,7 @@ class PhaseEstimate(_JSON):
 class WhatIfRow(_JSON):
     """One offload setting: device and host bytes per rank, and whether it fits."""
 
-    mode: str                              # none | param | optimizer | both
+    mode: str                              # none | param | optimizer | both | activations | all
     overrides: list = field(default_factory=list)
     device_bytes: int = 0                  # peak over phases
     peak_phase: str = ""

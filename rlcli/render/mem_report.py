@@ -15,7 +15,7 @@ from rich.table import Table
 from rlcli.render.train import human_bytes
 
 CATEGORY_LABELS = {"params": "params", "grads": "grads", "optimizer": "optimizer", "activations": "activations",
-                   "logits": "logits", "fp8_workspaces": "FP8 workspaces", "kv_cache": "KV cache"}
+                   "activations_host": "activations on host", "logits": "logits", "fp8_workspaces": "FP8 workspaces", "kv_cache": "KV cache"}
 MAX_MEASURED_ROWS = 32  # per-rank x phase rows; --json has them all
 
 

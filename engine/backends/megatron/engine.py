@@ -176,6 +176,12 @@ class MegatronEngine(TrainEngine):
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=use_dist_opt)
         self.model = DistributedDataParallel(self.tcfg, ddp_cfg, gpt)
+        from engine.memory.activation_offload import make_activation_offloader
+
+        # with full recompute, megatron's checkpoint keeps each layer chunk's inputs, saved by
+        # the transformer block (outside the layers): offload at that level
+        self.activation_offload = make_activation_offloader(
+            gpt, c.engine, ["decoder"] if c.engine.gradient_checkpointing else ["decoder.layers.*"], self.device)
         self.ref_model = ref
         self._params = dict(self.model.module.named_parameters())
         plist = [self._params[m.megatron_name] for m in self.mappings]
@@ -282,12 +288,14 @@ class MegatronEngine(TrainEngine):
         self.model.train()
         stats = StepStats()
         n_tokens, n_seqs = global_counts(batch, self.dp_group, self.dp_size)
-        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        needs_entropy = loss_fn.needs_entropy
         self.model.zero_grad_buffer()
         self._refresh_fp8_weight_cache(self.model)
         sums: dict[str, float] = {}
         for mb in self._micro_batches(batch):
-            with self._measure("activations"):
+            with self._measure("activations") as meter:
+                if self.activation_offload is not None:  # what stays on the device is counted there
+                    self.activation_offload.meter = meter
                 logits = self._forward_logits(self.model, mb.batch.input_ids)
             if self.tracker is not None:
                 self.tracker.record_tensors("logits", logits)
@@ -295,6 +303,7 @@ class MegatronEngine(TrainEngine):
             dev_mb = mb.batch.to(self.device)
             loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
             loss.backward()
+            self._end_activation_offload()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             stats.tokens += int(mb.real_tokens)

@@ -1,0 +1,200 @@
+"""Activation offload (engine/memory/activation_offload.py): tensors saved for backward by
+matching modules go to host buffers and come back for backward. On a CPU host and device are
+one memory, so what these tests protect is exactness (gradients bit-identical with and without
+offload, through FSDP2 at 1 and 2 ranks and megatron-core, with and without gradient
+checkpointing), what is and is not offloaded, the host limit and the pattern errors. The copies
+on a side CUDA stream are checked on a GPU by bench/gpu_check_activation_offload.sh."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.config.load import load_run_config
+from engine.config.schema import ModelConfig
+from engine.errors import ConfigError
+from engine.memory.activation_offload import (ActivationOffloader, make_activation_offloader, matching_modules,
+                                              use_reentrant_checkpointing)
+from tests.dist_utils import run_ranks
+
+VOCAB, PAD, EOS = 16, 0, 1
+
+
+def _tiny_hf(seed=0):
+    from engine.model.build import build_hf_model
+
+    torch.manual_seed(seed)
+    return build_hf_model(ModelConfig(num_layers=3), "", VOCAB, seed, PAD, EOS).float().train()
+
+
+def _grads(model, ids):
+    out = model(input_ids=ids, use_cache=False).logits
+    out.float().log_softmax(-1).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _ids(rows=4, t=12, seed=1):
+    return torch.randint(2, VOCAB, (rows, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
+def test_gradients_are_bit_identical_with_offload(checkpointing):
+    base = _tiny_hf()
+    off_model = copy.deepcopy(base)
+    if checkpointing:
+        base.gradient_checkpointing_enable()        # transformers' default (non-reentrant)
+        use_reentrant_checkpointing(off_model)      # what the engines use with offload
+    ids = _ids()
+    want = _grads(base, ids)
+    off = ActivationOffloader(off_model, ["model.layers.*"], 1 << 30).attach()
+    got = _grads(off_model, ids)
+    st = off.end_micro_batch()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert st.tensors_offloaded > 0 and st.kept_bytes == 0
+    # every module but the first in forward order is prefetched by the backward of the next one
+    assert st.prefetched + st.fetched_on_demand == st.tensors_offloaded and st.prefetched > 0
+    if checkpointing:  # only what checkpointing keeps: each layer's input hidden states
+        hidden = ids.numel() * base.config.hidden_size * 4
+        assert st.tensors_offloaded == 3 and st.host_bytes == 3 * hidden
+
+
+def test_parameters_and_outside_tensors_are_not_offloaded():
+    model = _tiny_hf()
+    off = ActivationOffloader(model, ["model.layers.1"], 1 << 30).attach()
+    saved_in_layer = []
+    orig = off._pack
+    off._pack = lambda t: (saved_in_layer.append(t), orig(t))[1]  # read when the layer's forward starts
+    _grads(model, _ids())
+    st = off.end_micro_batch()
+    params = {p.data_ptr() for p in model.parameters()}
+    offloaded = [t for t in saved_in_layer if t.data_ptr() not in params]
+    assert st.tensors_offloaded == len([t for t in offloaded if not isinstance(t, torch.nn.Parameter)])
+    assert 0 < st.tensors_offloaded < len(saved_in_layer)   # the layer's weights were saved too, not offloaded
+    assert st.modules == ["model.layers.1"]
+
+
+def test_no_offload_outside_training_forward():
+    model = _tiny_hf()
+    off = ActivationOffloader(model, ["model.layers.*"], 1 << 30).attach()
+    with torch.no_grad():
+        model(input_ids=_ids(), use_cache=False)
+    assert off.end_micro_batch().tensors_offloaded == 0
+
+
+def test_host_limit_keeps_the_rest_on_device_and_reuses_buffers():
+    ids = _ids()
+    base = _tiny_hf()
+    want = _grads(copy.deepcopy(base), ids)
+    full = ActivationOffloader(copy.deepcopy(base), ["model.layers.*"], 1 << 30)
+    m_full = full.model
+    full.attach()
+    _grads(m_full, ids)
+    need = full.end_micro_batch().host_bytes
+
+    limited_model = copy.deepcopy(base)
+    limit = need // 2
+    off = ActivationOffloader(limited_model, ["model.layers.*"], limit).attach()
+    got = _grads(limited_model, ids)
+    st = off.end_micro_batch()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert st.kept_bytes > 0 and st.tensors_kept > 0 and 0 < st.host_bytes <= limit
+    assert st.host_bytes + st.kept_bytes == need and off.pool.allocated <= limit
+    # the next micro-batch reuses the pool: no new host memory
+    for p in limited_model.parameters():
+        p.grad = None
+    _grads(limited_model, ids)
+    st2 = off.end_micro_batch()
+    assert off.pool.allocated == st.pool_bytes and st2.host_bytes == st.host_bytes
+
+    tiny = ActivationOffloader(copy.deepcopy(base), ["model.layers.*"], 16).attach()
+    _grads(tiny.model, ids)
+    st3 = tiny.end_micro_batch()
+    assert st3.tensors_offloaded == 0 and st3.kept_bytes == need
+
+
+def test_patterns_match_outermost_modules_only_and_no_match_is_a_config_error():
+    model = _tiny_hf()
+    names = [n for n, _ in matching_modules(model, ["model.layers.*", "model.layers.*.mlp"])]
+    assert names == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    cfg = load_run_config(["engine.activation_offload=true", "engine.activation_offload_modules=[decoder.blocks.*]"])
+    with pytest.raises(ConfigError, match="matches no module.*model.layers"):
+        make_activation_offloader(model, cfg.config.engine, [], torch.device("cpu"))
+    off_cfg = load_run_config([]).config.engine
+    assert make_activation_offloader(model, off_cfg, ["model.layers.*"], torch.device("cpu")) is None
+
+
+def test_config_keys_validate():
+    with pytest.raises(ConfigError, match="activation_offload_host_cache_limit_gb"):
+        load_run_config(["engine.activation_offload_host_cache_limit_gb=-1"])
+    cfg = load_run_config(["engine.activation_offload=true"]).config.engine
+    assert cfg.activation_offload and cfg.activation_offload_modules == []
+
+
+# ---- through the engines ----------------------------------------------------------------------
+def _batch():
+    from engine.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 10
+    ids = torch.randint(2, VOCAB, (B, T), generator=g)
+    lengths = torch.tensor([10, 7, 9, 5, 10, 6, 8, 4])
+    attn = (torch.arange(T)[None] < lengths[:, None]).long()
+    resp = attn.float().clone()
+    resp[:, :2] = 0
+    adv = torch.randn(B, generator=g)[:, None] * resp
+    return SequenceBatch(input_ids=ids * attn, attention_mask=attn, response_mask=resp,
+                         prompt_lengths=torch.full((B,), 2), advantages=adv)
+
+
+def _step(engine_cls, cfg, rank, world):
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.trainer.worker_group import shard_slices
+
+    eng = engine_cls(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    batch = _batch()
+    eng.train_step(batch.select(shard_slices(len(batch), world)[rank]), PolicyLoss(cfg.algorithm, world))
+    st = getattr(eng, "activation_stats", None)
+    return ({k: v.clone() for k, v in eng.export_hf_state_dict().items()},
+            None if st is None else st.to_json())
+
+
+def _plain_and_offloaded(rank, world, engine, checkpointing):
+    """One optimizer step from the same seed without and with activation offload, same process."""
+    if engine == "megatron":
+        from engine.backends.megatron.engine import MegatronEngine as cls
+    else:
+        from engine.backends.fsdp import FSDPEngine as cls
+    base = [f"engine={engine}", "engine.micro_batch_size=2", f"engine.gradient_checkpointing={checkpointing}",
+            "model.num_layers=2"]
+    return [_step(cls, load_run_config(base + extra).config, rank, world)
+            for extra in ([], ["engine.activation_offload=true"])]
+
+
+def _assert_identical(results):
+    for (want, none), (got, st) in results:
+        assert none is None and st is not None and st["tensors_offloaded"] > 0
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want), max(
+            float((want[k] - got[k]).abs().max()) for k in want)
+    return [st for _, (_, st) in results]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_fsdp_step_is_bit_identical_with_activation_offload(world, checkpointing):
+    stats = _assert_identical(run_ranks(_plain_and_offloaded, world, "fsdp", checkpointing))
+    assert all(st["modules"] == 2 for st in stats)   # one per decoder layer (the default)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_megatron_tp1_step_is_bit_identical_with_activation_offload(checkpointing):
+    pytest.importorskip("megatron.core")
+    stats = _assert_identical(run_ranks(_plain_and_offloaded, 1, "megatron", checkpointing))
+    # without recompute one module per layer; with full recompute the block whose checkpoint
+    # keeps each layer's inputs
+    assert stats[0]["modules"] == (1 if checkpointing == "true" else 2)
