@@ -69,7 +69,7 @@ def _train_each(rank, world, dirs):
         changed = sum(not torch.equal(before[k], after[k]) for k in before)
         out[arch] = {"sharded": sharded, "changed": changed, "n": len(before),
                      "finite": all(torch.isfinite(v).all() for v in after.values()),
-                     "grad_norm": stats.metrics["grad_norm"]}
+                     "grad_norm": stats.replicated["grad_norm"]}
     return out
 
 

@@ -85,7 +85,7 @@ class FSDPEngine(TrainEngine):
 
         names = {id(m): n for n, m in model.named_modules()}
         self.activation_offload = make_activation_offloader(
-            model, c.engine, [names[id(m)] for m in _decoder_layers(model)], self.device)
+            model, c.engine, [names[id(m)] for m in decoder_blocks(model)], self.device)
         if c.engine.compile:
             self._forward = torch.compile(self.model.forward, dynamic=False)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only

@@ -1,12 +1,12 @@
 """Where ``model.path`` points: a local Hugging Face directory, or a hub id resolved offline
-from the local Hugging Face cache; and whether that model can train on the chosen engine.
+from the local Hugging Face cache; and whether it is a causal LM transformers can build.
 
 Everything here runs on the driver before a run directory exists, so a bad ``model.path``
 is one ConfigError (exit 2), never a transformers traceback from inside a rank.
 
     resolve_path_or_hub_id("./my-gpt2")            -> "./my-gpt2" (has config.json)
     resolve_path_or_hub_id("Qwen/Qwen2.5-0.5B")    -> ~/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B/snapshots/<rev>
-    check_architecture(path, engine="megatron")    -> ConfigError unless Llama/Qwen2-shaped
+    check_architecture(path)                       -> ConfigError unless a transformers causal LM
 
 Hub ids are never downloaded: ``huggingface_hub.snapshot_download(local_files_only=True)``
 finds the snapshot ``refs/main`` (or the revision after ``@``) points at in ``HF_HUB_CACHE``.
@@ -93,8 +93,9 @@ def read_config_json(path: str) -> dict:
                           f"save_pretrained.", title="not a model directory") from None
 
 
-def check_architecture(path: str, engine: str) -> None:
-    """Refuse a model the chosen engine cannot train, naming what it is and what to do."""
+def check_architecture(path: str) -> None:
+    """Refuse a directory that is not a causal LM transformers can build, naming what it is and
+    what to do. (What a particular engine can train is checked by engine.trainer.setup.)"""
     raw = read_config_json(path)
     model_type = raw.get("model_type", "")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -106,9 +107,3 @@ def check_architecture(path: str, engine: str) -> None:
             f"language model (AutoModelForCausalLM: {known}, ...). rl trains decoder-only causal LMs; check "
             f"the directory, or upgrade transformers if the architecture is newer than it.",
             title="unsupported model")
-    if engine == "megatron":
-        from transformers import AutoConfig
-
-        from engine.backends.megatron.model import arch_from_hf_config
-
-        arch_from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))  # raises ConfigError

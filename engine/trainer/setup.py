@@ -29,7 +29,13 @@ def resolve_model_path(cfg: RunConfig) -> str:
     if path:
         from engine.model.source import check_architecture
 
-        check_architecture(path, cfg.engine.name)
+        check_architecture(path)
+        if cfg.engine.name == "megatron":  # megatron converts only the architectures it maps
+            from transformers import AutoConfig
+
+            from engine.backends.megatron.model import arch_from_hf_config
+
+            arch_from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))  # raises ConfigError
     return path
 
 
