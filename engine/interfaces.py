@@ -41,6 +41,8 @@ class TrainingEngine(Protocol):
     optimizer: Any
     bucket_policy: Any           # engine.batching.buckets.BucketPolicy
     tracker: Any                 # engine.memory.tracker.MemoryTracker, set by the worker
+    critic: Any                  # engine.backends.critic value model (algorithm=ppo), set by the worker; else None
+    lora_reference: dict | None  # LoRA: the base model it adapts ({"base_path", "base_sha256", ...}); else None
 
     def build(self) -> None: ...
     def compute_log_probs(self, batch, ref: bool = False, with_entropy: bool = False): ...

@@ -62,6 +62,8 @@ class TrainEngine(ABC):
     """
 
     optimizer = None   # set by build() (megatron: a property over its optimizer wrapper)
+    critic = None          # the PPO value model (engine/backends/critic.py), attached by the worker
+    lora_reference = None  # LoRA adapters: the base model they belong to (engine/model/lora.py)
 
     def __init__(self, cfg, model_path: str, vocab_size: int, pad_token_id: int, eos_token_id: int,
                  device: torch.device, updates_per_step: int):

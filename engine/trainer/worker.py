@@ -214,7 +214,7 @@ class RankWorker:
         return {"param_state": self.engine.optimizer_coverage(),
                 "params": self.engine.param_shapes(),
                 "num_params": self.engine.param_count(),
-                "lora": getattr(self.engine, "lora_reference", None)}
+                "lora": self.engine.lora_reference}
 
     def load(self, step_dir: str, plan: dict) -> dict:
         from engine.checkpoint.load import load_rank_state
