@@ -4,6 +4,7 @@ on the same task, 3 seeds each; prints a markdown table of medians (docs/algorit
     python bench/algorithms.py                                   # task=sort, the budget in docs/algorithms.md
     python bench/algorithms.py --steps 60 --seeds 0 1 2 --estimators grpo rloo dapo
     python bench/algorithms.py --out /tmp/algos_bench.json        # also keep every run's numbers
+    python bench/algorithms.py --table-from /tmp/algos_bench.json # the table of a saved (or partial) run
 
 Each run is a real `rl train` (Ray, gloo, the tiny random-init model), one at a time, with
 validation (greedy, on the task's held-out prompts) before training and at the last step.
@@ -71,8 +72,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--table-from", default="", help="print the table of a results file written by --out")
     ap.add_argument("extra", nargs="*", help="more overrides for every run, e.g. trainer.nprocs=2")
     args = ap.parse_args()
+    if args.table_from:
+        results = json.loads(Path(args.table_from).read_text())
+        print(table(results, [e for e in ESTIMATORS if any(r["estimator"] == e for r in results)]))
+        return
     results = []
     with tempfile.TemporaryDirectory(prefix="rl-bench-algos-") as tmp:
         for seed in args.seeds:

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from engine.algorithms.advantages import grpo_advantages
@@ -187,3 +188,18 @@ def test_dynamic_sampling_tops_up_when_out_of_rounds():
     assert len(out.batch) == target * n  # constant batch size even when signal is scarce
     assert stats.rounds == 3 and stats.padded_groups == 3 - 2  # 3 rounds, each one good group -> 3 kept, 1 pad
     assert zero_variance_groups(out.rewards, n).tolist() == [False, False, False, True]
+
+
+def test_entropy_metric_is_per_token_for_every_aggregation():
+    """dr_grpo/rloo aggregate the loss per response (seq-mean-token-sum); the entropy they
+    report must still be the per-token mean (the alarms compare it with per-token thresholds)."""
+    from engine.algorithms.policy_loss import PolicyLoss
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    b = SequenceBatch(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), mask,
+                      torch.ones(2, dtype=torch.long))
+    b.advantages = torch.zeros(2, 4)
+    ent = torch.full((2, 4), 0.5)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        _, m = PolicyLoss(AlgorithmConfig(loss_agg_mode=mode))(torch.zeros(2, 4), ent, b, 5.0, 2.0)
+        assert m["entropy"] == pytest.approx(0.5), mode

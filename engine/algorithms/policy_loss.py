@@ -82,7 +82,9 @@ class PolicyLoss:
             metrics["kl"] = kl.item()
         if entropy is not None:
             ent = agg(entropy)
-            metrics["entropy"] = ent.item()
+            # the metric is per token whatever the loss aggregation (seq-mean-token-sum would report
+            # a per-response sum, and entropy alarms compare per-token values)
+            metrics["entropy"] = aggregate(entropy.detach(), mask, "token-mean", n_tokens, n_seqs).item()
             if c.entropy_coef > 0:
                 total = total - c.entropy_coef * ent
         # ranks' gradients are averaged by the data-parallel reduction: undo that mean so
