@@ -1,14 +1,24 @@
-"""Rollout and update throughput of the FSDP2 engine, and the update's achieved FLOP/s as a
-fraction of a matmul peak measured in the same run.
+"""Rollout and update throughput of the FSDP2 engine, before and after the speed work, in the
+same run, with the update's achieved FLOP/s as a fraction of a matmul peak measured now.
 
-    python bench/train_throughput.py                       # the default tiny model
-    python bench/train_throughput.py --hidden 256 --layers 4 --heads 8 --kv-heads 4
+    OMP_NUM_THREADS=2 python bench/train_throughput.py                  # the issue-17 shape (3.4M)
+    OMP_NUM_THREADS=2 python bench/train_throughput.py --hidden 64 --layers 2 --heads 4 --kv-heads 2 \
+        --intermediate 128 --vocab 32 --prompts 32 --n 8 --new-tokens 12   # the embedded default's size
+
+Two engines with the same initial weights run alternately, step by step:
+``plain`` -- the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
+the host) and the plain update forward (prompts recomputed for every sample);
+``fast`` -- the defaults (one prefill per prompt group, finished rows dropped, on-device sampling,
+each distinct prompt computed once in the update).
+Update FLOP/s count 6 x matmul params x real tokens (prompt + response): the work of the plain
+forward+backward on the real tokens, so ``fast`` gets credit for computing less.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -27,14 +37,19 @@ def matmul_peak_flops(n: int = 1024, seconds: float = 2.0) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[8, 20], help="prompt lengths drawn from [lo, hi]")
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--ignore-eos", action="store_true", help="fixed-length responses (rollout.ignore_eos)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--modes", nargs="+", default=["plain", "fast"], choices=["plain", "fast"])
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
@@ -45,50 +60,73 @@ def main() -> None:
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
     from engine.config.load import load_run_config
-    from engine.model.tokenizer import CharTokenizer
     from engine.rollout.torch_sampler import TorchSampler
-    from engine.tasks.registry import make_task
 
     store = tempfile.mktemp()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     cfg = load_run_config([f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
                            f"model.num_attention_heads={args.heads}", f"model.num_key_value_heads={args.kv_heads}",
-                           f"model.intermediate_size={args.hidden * 2}", f"rollout.max_new_tokens={args.new_tokens}"]).config
-    task = make_task(cfg.task, 0)
-    tok = CharTokenizer(task.alphabet)
-    eng = FSDPEngine(cfg, "", tok.vocab_size, tok.pad_token_id, tok.eos_token_id, torch.device("cpu"), 1)
-    eng.build()
-    sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, eng.device)
-    prompts = [tok.encode(e.prompt) for e in task.train[:args.prompts]]
+                           f"model.intermediate_size={args.intermediate}", "model.max_position_embeddings=1024",
+                           f"rollout.max_new_tokens={args.new_tokens}", f"rollout.ignore_eos={args.ignore_eos}",
+                           "optim.lr=1e-5"]).config
+    PAD, EOS = 0, 1
+    runs = {}
+    for mode in args.modes:
+        eng = FSDPEngine(cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
+        eng.build()
+        eng.share_prompts = mode == "fast"
+        runs[mode] = {"eng": eng, "sampler": TorchSampler(cfg.rollout, PAD, EOS, eng.device, fast=mode == "fast"),
+                      "gen": torch.Generator().manual_seed(0), "roll": [], "upd": [], "roll_tok": [], "upd_tok": []}
     g = torch.Generator().manual_seed(0)
-    n_params = eng.param_count()
-    embed = cfg.model.hidden_size * tok.vocab_size  # the input embedding is a lookup, not a matmul
-    peak = matmul_peak_flops()
-
-    roll_tok = roll_t = upd_tok = upd_t = 0.0
+    lo, hi = args.prompt_len
+    prompts = [torch.randint(2, args.vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(args.prompts)]
+    eng0 = next(iter(runs.values()))["eng"]
+    n_params = eng0.param_count()
+    matmul_params = n_params - args.hidden * args.vocab  # the input embedding is a lookup
+    peaks = [matmul_peak_flops()]
+    loads = [os.getloadavg()[0]]
     for step in range(args.steps + 1):
-        t0 = time.perf_counter()
-        with eng.generation_model() as m:
-            batch = sampler.generate(m, prompts, args.n, g)
-        t1 = time.perf_counter()
-        rewards = torch.rand(len(batch), generator=g)
-        batch.advantages = token_advantages(grpo_advantages(rewards, args.n), batch.response_mask)
-        t2 = time.perf_counter()
-        stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
-        t3 = time.perf_counter()
-        if step == 0:
-            continue  # warm-up
-        roll_tok += float(batch.response_mask.sum())
-        roll_t += t1 - t0
-        upd_tok += stats.padded_tokens
-        upd_t += t3 - t2
-    flops = 6 * (n_params - embed) * upd_tok / upd_t  # fwd + bwd matmuls on every processed token
-    print(f"model: {n_params:,} params (hidden {args.hidden}, {args.layers} layers), threads {threads}")
-    print(f"batch: {args.prompts} prompts x {args.n} samples, up to {args.new_tokens} new tokens, {args.steps} steps")
-    print(f"rollout  tokens/s : {roll_tok / roll_t:12,.0f}   (response tokens generated, KV cache)")
-    print(f"update   tokens/s : {upd_tok / upd_t:12,.0f}   (tokens through forward+backward)")
-    print(f"matmul peak       : {peak / 1e9:12,.2f} GFLOP/s  (fp32 1024^3, measured now)")
-    print(f"update achieved   : {flops / 1e9:12,.3f} GFLOP/s  = {100 * flops / peak:.2f}% of the matmul peak")
+        for mode, r in runs.items():
+            eng, sampler = r["eng"], r["sampler"]
+            t0 = time.perf_counter()
+            with eng.generation_model() as m:
+                batch = sampler.generate(m, prompts, args.n, r["gen"])
+            t1 = time.perf_counter()
+            rewards = torch.rand(len(batch), generator=r["gen"])
+            batch.advantages = token_advantages(grpo_advantages(rewards, args.n), batch.response_mask)
+            t2 = time.perf_counter()
+            stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
+            t3 = time.perf_counter()
+            if step == 0:
+                continue  # warm-up
+            r["roll"].append(t1 - t0)
+            r["roll_tok"].append(float(batch.response_mask.sum()))
+            r["upd"].append(t3 - t2)
+            r["upd_tok"].append(stats.tokens)
+    peaks.append(matmul_peak_flops())
+    loads.append(os.getloadavg()[0])
+    peak = statistics.median(peaks)
+    print(f"model: {n_params:,} params (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "
+          f"threads {threads}, load {min(loads):.1f}-{max(loads):.1f}")
+    print(f"batch: {args.prompts} prompts x {args.n} samples, prompts {lo}-{hi} tokens, up to {args.new_tokens} new "
+          f"tokens{' (fixed length)' if args.ignore_eos else ''}, {args.steps} steps after 1 warm-up, medians")
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32 1024^3, measured before and after)")
+    print(f"{'mode':6s} {'rollout s':>9s} {'rollout tok/s':>13s} {'update s':>9s} {'update tok/s':>12s} "
+          f"{'update GFLOP/s':>14s} {'update MFU':>10s}")
+    res = {}
+    for mode, r in runs.items():
+        roll = statistics.median(r["roll"])
+        upd = statistics.median(r["upd"])
+        roll_tps = statistics.median(t / s for t, s in zip(r["roll_tok"], r["roll"]))
+        upd_tps = statistics.median(t / s for t, s in zip(r["upd_tok"], r["upd"]))
+        flops = 6 * matmul_params * upd_tps
+        res[mode] = (roll_tps, upd_tps)
+        print(f"{mode:6s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
+              f"{100 * flops / peak:9.1f}%")
+    if len(res) == 2:
+        (pr, pu), (fr, fu) = res["plain"], res["fast"]
+        print(f"fast / plain: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")
     dist.destroy_process_group()
 
 

@@ -10,7 +10,9 @@ directory: the fraction of response characters that occur in the prompt), same b
 G samples, exactly N new tokens: ``rollout.ignore_eos=true`` on rl, ``min_new_tokens=N`` on TRL,
 both of which forbid EOS), temperature 1, top-p 1, AdamW (lr 1e-5, betas 0.9/0.99, no weight decay,
 constant LR, grad clip 1.0), no KL (TRL ``beta=0`` loads no reference), one optimizer step per
-RL step, no gradient checkpointing (TRL's default is on; off here, which only helps TRL), fp32.
+RL step, no gradient checkpointing (TRL's default is on; off here, which only helps TRL), fp32,
+the same thread count, and (unless ``--trl-omp-default``) the passive OpenMP waits rl sets for
+itself, so a loaded machine does not penalise TRL's spinning threads.
 
 Per shape the two tools run alternately (``trl, rl, rl, trl, trl, rl``, so neither always goes
 first) and each figure is the median over repeats of the per-process median step time (first
@@ -172,11 +174,13 @@ def run_rl(work: Path, model_dir: Path, shape: str, steps: int, extra: list[str]
             "reward": [r["reward_mean"] for r in rows]}
 
 
-def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int) -> dict:
+def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int, omp_default: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="trl-", dir="/tmp")) / "result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(model_dir), "--shapes", shape,
            "--steps", str(steps), "--result", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    if not omp_default:  # the same passive OpenMP waits rl sets for itself (engine/threads.py)
+        env.update({"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -249,6 +253,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default="/tmp/rl-vs-trl")
     ap.add_argument("--rl-extra", nargs="*", default=[], help="extra `rl train` overrides")
+    ap.add_argument("--trl-omp-default", action="store_true",
+                    help="run TRL with the OpenMP wait policy of the environment (default: passive, as rl uses)")
     ap.add_argument("--json", default="")
     ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -270,7 +276,7 @@ def main() -> None:
             for side in order:
                 load = loadavg()
                 if side == "trl":
-                    r = run_trl(work, model_dir, shape, args.steps, threads)
+                    r = run_trl(work, model_dir, shape, args.steps, threads, args.trl_omp_default)
                     trl_runs.append(r | {"load": load})
                 else:
                     r = run_rl(work, model_dir, shape, args.steps, args.rl_extra, threads)

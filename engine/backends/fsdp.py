@@ -17,7 +17,9 @@ import torch.distributed as dist
 from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
 from engine.algorithms.logprobs import token_log_probs
 from engine.backends.schedule import build_optimizer
+from engine.backends.prompt_sharing import grouped_logits, response_log_probs
 from engine.batch import SequenceBatch
+from engine.batching.prompt_groups import group_prompts, to_response_columns
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -42,6 +44,9 @@ class FSDPEngine(TrainEngine):
         super().__init__(*args, **kwargs)
         self.optimizer = None
         self._scheduler = None
+        # the update runs each distinct prompt once per micro-batch (same result as the plain
+        # forward; bench/train_throughput.py --plain turns it off to compare)
+        self.share_prompts = True
         self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
         self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
 
@@ -96,6 +101,11 @@ class FSDPEngine(TrainEngine):
         self.bucket_policy = make_bucket_policy(c.engine, max_length=c.data.max_prompt_length
                                                 + c.rollout.max_new_tokens)
         self._updates = 0
+
+    def _share_prompts(self) -> bool:
+        """The grouped forward runs the model twice per micro-batch: not with a compiled forward
+        (it would bypass it) or activation offload (its hooks expect one forward)."""
+        return self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -177,20 +187,24 @@ class FSDPEngine(TrainEngine):
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            # GRPO groups: each distinct prompt computed once (engine/batching/prompt_groups.py)
+            groups = group_prompts(mb.batch, self.pad_token_id) if self._share_prompts() else None
             with self._measure("activations") as meter:
                 if self.activation_offload is not None:  # what stays on the device is counted there
                     self.activation_offload.meter = meter
-                logits = self._forward_logits(self.model, mb.batch)
+                logits = (grouped_logits(self.model, groups, self.device) if groups is not None
+                          else self._forward_logits(self.model, mb.batch))
+            lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
+            lp_fn = response_log_probs if groups is not None else token_log_probs
+            ids = lp_batch.input_ids.to(self.device)
             with self._measure("logits") as meter:
                 if meter is not None:
                     meter.add(logits)
-                lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device),
-                                          self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
+                lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
             if ent is None:  # entropy is only a metric here: compute it without keeping a graph
                 with torch.no_grad():
-                    _, ent = token_log_probs(logits.detach(), mb.batch.input_ids.to(self.device),
-                                             self.cfg.rollout.temperature, with_entropy=True)
-            dev_mb = mb.batch.to(self.device)
+                    _, ent = lp_fn(logits.detach(), ids, self.cfg.rollout.temperature, with_entropy=True)
+            dev_mb = lp_batch.to(self.device)
             loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
             loss.backward()
             self._end_activation_offload()
