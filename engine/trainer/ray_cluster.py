@@ -32,7 +32,6 @@ from engine.errors import UserError
 
 LOCAL_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -105,6 +104,8 @@ def ray_cluster(address: str, num_cpus: int):
     what this call started."""
     target = resolve_address(address)
     _set_local_only(target.loopback)
+    if target.local:  # the private Ray: no token auth (a joined cluster's auth is left to the user's env)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     started, reaper = False, None
