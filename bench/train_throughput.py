@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 
+import engine  # noqa: F401  (before torch: passive OpenMP waits, engine/threads.py)
 import torch
 
 
