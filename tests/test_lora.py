@@ -130,11 +130,12 @@ def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
     from tests.test_export import final_validation, held_out_prompts, hf_greedy
 
     run = tmp_path / "run"
-    r = rl("train", *LORA_RUN, "task.num_val=32", "trainer.val_freq=40", f"checkpoint.dir={run}", "--json")
+    r = rl("train", *LORA_RUN, "trainer.total_steps=30", "data.train_batch_size=16", "task.num_val=32",
+           "trainer.val_freq=30", f"checkpoint.dir={run}", "--json")
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(r.stdout)
     assert s["reward_last10"] >= 2 * s["reward_first10"], s
-    manifest = json.loads((run / "step_40" / "manifest.json").read_text())
+    manifest = json.loads((run / "step_30" / "manifest.json").read_text())
     assert manifest["model"]["lora"]["rank"] == 16 and len(manifest["model"]["lora"]["base_sha256"]) == 64
 
     merged = export_checkpoint(run, out=tmp_path / "merged")
@@ -157,7 +158,7 @@ def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
         assert torch.allclose(peft(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
 
     manifest["model"]["lora"]["base_sha256"] = "0" * 64
-    (run / "step_40" / "manifest.json").write_text(json.dumps(manifest))
+    (run / "step_30" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="base model .* has changed"):
         export_checkpoint(run, out=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
