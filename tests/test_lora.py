@@ -249,3 +249,22 @@ def test_lora_vllm_receives_merged_weights():
           f"(write {r['last_sync']['write_s'] * 1000:.1f} ms, reload {r['last_sync']['reload_s'] * 1000:.1f} ms); "
           f"model {r['model_params']:,} params, adapters {r['adapter_params']:,}; "
           f"max |dlogp| after sync {r['synced'].max_abs:.2e}")
+
+
+def test_mem_report_estimates_lora_grads_and_optimizer_for_adapters_only():
+    """`rl mem-report --estimate` with model.lora.rank counts gradients and AdamW state for the
+    adapter parameters alone: r * (in + out) per adapted Linear, per layer."""
+    from engine.config.load import load_run_config
+    from engine.memory.estimate import BUILTIN_MODELS, estimate_memory
+
+    dims = BUILTIN_MODELS["llama3-8b"]
+    full = estimate_memory(load_run_config(["trainer.nprocs=8"]).config, model="llama3-8b")
+    lora = estimate_memory(load_run_config(["trainer.nprocs=8", "model.lora.rank=16",
+                                            "model.lora.target_modules=[q_proj,v_proj]"]).config, model="llama3-8b")
+    per_layer = 16 * ((dims.hidden_size + dims.num_attention_heads * dims.d)
+                      + (dims.hidden_size + dims.num_key_value_heads * dims.d))
+    n = per_layer * dims.num_layers
+    assert lora.per_rank["optimizer"] == -(-n // 8) * 8          # fp32 m and v
+    assert lora.per_rank["optimizer"] < full.per_rank["optimizer"] / 100
+    assert lora.per_rank["grads"] < full.per_rank["grads"] / 10
+    assert "LoRA" in lora.formulas["optimizer"]

@@ -445,7 +445,7 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         lora_rank = math.ceil(n_lora / lay.dp)
         params += lora_rank * a
         f["params"] += f" + LoRA adapters {lora_rank:,} x {a} B"
-        grads = lora_rank * grad_b + (st.largest_layer * a if gather else 0)
+        grads = lora_rank * grad_b  # frozen base: no full-layer gradient buffer in flight either
         f["grads"] = (f"LoRA only: {lora_rank:,} adapter params x {grad_b} B (rank {lora.rank} on {what}; "
                       f"base weights frozen, no grads)")
         optimizer = lora_rank * opt_b
