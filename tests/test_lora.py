@@ -115,6 +115,7 @@ def rl(*args, timeout=3000):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a 30-step training run, then three exports
 def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
     """`rl train model.lora.rank=16` (all linear layers) learns the default echo task (reward of the last 10 steps at
     least twice the first 10); the merged export generates, through transformers alone, rl's own
@@ -130,7 +131,7 @@ def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
     from tests.test_export import final_validation, held_out_prompts, hf_greedy
 
     run = tmp_path / "run"
-    r = rl("train", *LORA_RUN, "trainer.total_steps=30", "data.train_batch_size=16", "task.num_val=32",
+    r = rl("train", *LORA_RUN, "trainer.total_steps=30", "data.train_batch_size=8", "task.num_val=32",
            "trainer.val_freq=30", f"checkpoint.dir={run}", "--json")
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(r.stdout)
