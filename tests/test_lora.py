@@ -24,7 +24,7 @@ LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=2e-2"]   # peft's 
 # is a random init, not a pretrained one: with lm_head frozen (its weights ~0.02) behind the
 # frozen final RMSNorm, logits stay within a few tenths of each other and the policy cannot leave
 # near-uniform (measured: entropy 2.47 -> 2.37 of ln 12 = 2.48, reward flat at ~0.09 over 9 steps).
-LORA_RUN = ["model.lora.rank=16", "model.lora.alpha=32", "optim.lr=3e-2",
+LORA_RUN = ["model.lora.rank=16", "model.lora.alpha=32", "optim.lr=5e-3",
             "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]
 
 
