@@ -10,6 +10,12 @@ reports what the fan-out measured itself: seconds spent in the training loop's t
 
     python bench/logging_overhead.py                  # 3 pairs of the default job
     python bench/logging_overhead.py --pairs 5 --json
+    python bench/logging_overhead.py --cpu            # CPU cost per step of the loggers alone
+
+``--cpu`` replays a default run's metrics.jsonl (40 steps, samples every 10) through the
+fan-out in this process, all loggers against jsonl only, and counts CPU seconds (this process
+and its children: wandb's service) per step. On a loaded shared machine that figure is far
+steadier than step-time differences, and it bounds what the loggers can take from a step.
 """
 
 from __future__ import annotations
@@ -44,6 +50,81 @@ def run_once(loggers: str, root: Path, tag: str, extra: list[str]) -> dict:
             "tracking": summary.get("tracking", {})}
 
 
+def cpu_seconds() -> float:
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
+def replay(loggers: list[str], rows: list[dict], run: Path) -> dict:
+    """Feed a real run's step rows (and sample rows every 10 steps) through Tracking."""
+    from engine.config.validate import build_run_config
+    from engine.tracking.fanout import Tracking
+    from engine.trainer.events import StepRecord
+
+    cfg = build_run_config({"trainer": {"loggers": loggers}})
+    run.mkdir(parents=True)
+    t = Tracking(cfg, run)
+    t.wait_idle()      # the loggers are open: opening is start-up, not per-step cost
+    time.sleep(2.0)    # and wandb's service has settled
+    fields = set(StepRecord.__dataclass_fields__)
+    samples = [{"step": 0, "prompt": "c:", "response": "cccccc", "reward": 1.0, "advantage": 0.5, "answer": "cccccc"}]
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    for row in rows:
+        rec = StepRecord(**{k: v for k, v in row.items() if k in fields})
+        if rec.step % 10 == 0:
+            rec.samples = [dict(s, step=rec.step) for s in samples * 4]
+        t.on_event(rec)
+    t.wait_idle()   # every step handled; closing (wandb finish, ...) is teardown, not per-step cost
+    out = {"cpu_s": cpu_seconds() - cpu0, "wall_s": time.perf_counter() - wall0, "sync_s": t.sync_s,
+           "background_s": t.background_s, "steps": len(rows)}
+    t.close()
+    return out
+
+
+def cpu_mode(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="rl-bench-logging-") as tmp:
+        base = run_once(DEFAULT, Path(tmp), "default", args.overrides)
+        rows = [json.loads(x) for x in (Path(tmp) / "default" / "metrics.jsonl").read_text().splitlines()]
+        step_s = statistics.median(base["step_times"][args.warmup:] or base["step_times"])
+        res = {}
+        # warm-up: wandb's service process starts with the first run in a process (start-up cost)
+        replay(["console", "jsonl", "tensorboard", "wandb", "mlflow"], rows[:5], Path(tmp) / "warmup")
+        for i in range(args.pairs):
+            for name, loggers in (("jsonl", ["console", "jsonl"]),
+                                  ("all", ["console", "jsonl", "tensorboard", "wandb", "mlflow"])):
+                r = replay(loggers, rows, Path(tmp) / f"replay-{name}{i}")
+                res.setdefault(name, []).append(r)
+                print(f"  {name}{i}: cpu {1000 * r['cpu_s'] / r['steps']:.2f} ms/step, in-loop "
+                      f"{1000 * r['sync_s'] / r['steps']:.3f} ms/step, logger thread "
+                      f"{1000 * r['background_s'] / r['steps']:.2f} ms/step   load {load()}", file=sys.stderr)
+    per = {k: statistics.median(r["cpu_s"] / r["steps"] for r in v) for k, v in res.items()}
+    sync = statistics.median(r["sync_s"] / r["steps"] for r in res["all"])
+    out = {"median_step_ms_default_run": step_s * 1000, "cpu_ms_per_step_jsonl": per["jsonl"] * 1000,
+           "cpu_ms_per_step_all": per["all"] * 1000,
+           "extra_cpu_share_of_step": (per["all"] - per["jsonl"]) / step_s,
+           "in_loop_ms_per_step_all": sync * 1000, "in_loop_share_of_step": sync / step_s,
+           "load": load(), "cpus": os.cpu_count()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"loggers' CPU per step, replaying a default run ({args.pairs} repeats, load {out['load']})")
+        print(f"  default job median step (this machine, now): {out['median_step_ms_default_run']:.1f} ms")
+        print(f"  CPU per step, jsonl only:   {out['cpu_ms_per_step_jsonl']:.2f} ms")
+        print(f"  CPU per step, all loggers:  {out['cpu_ms_per_step_all']:.2f} ms  "
+              f"(+{100 * out['extra_cpu_share_of_step']:.2f} % of a step)")
+        print(f"  in the loop's thread:       {out['in_loop_ms_per_step_all']:.3f} ms  "
+              f"({100 * out['in_loop_share_of_step']:.2f} % of a step)")
+    return 0
+
+
 def load() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -56,8 +137,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of each run's median")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="CPU per step of the loggers alone (replay; see above)")
     ap.add_argument("overrides", nargs="*", help="extra overrides for both runs (default job: none)")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_mode(args)
 
     load_before = load()
     results = []

