@@ -38,22 +38,26 @@ class LoadedConfig:
     overrides: list[str]
     groups: dict[str, str]
     changed: dict[str, tuple] = field(default_factory=dict)  # key -> (default, now)
+    env_refs: dict[str, object] = field(default_factory=dict)  # key -> `${oc.env:...}` text (never saved resolved)
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
     """'a.b=1' -> ('', 'a.b', '1'); '+a=1' -> ('+', 'a', '1'); '~a' -> ('~', 'a', '')."""
     prefix = ""
-    if text[:2] == "++":
+    if text.startswith("++"):
         prefix, text = "++", text[2:]
-    elif text[:1] in "+~":
+    elif text[:1] and text[0] in "+~":
         prefix, text = text[0], text[1:]
     if "=" not in text:
-        if prefix == "~":
-            return prefix, text, ""
+        if prefix == "~" and text.strip():
+            return prefix, text.strip(), ""
         raise ConfigError(
             f"`{text}` is not an override. Overrides look like `key=value`, e.g. trainer.total_steps=50 "
             f"or task=add.", title="invalid override")
     key, value = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"`{text}` has no key before `=`. Overrides look like `key=value`, e.g. "
+                          f"trainer.total_steps=50.", title="invalid override")
     return prefix, key.strip(), value
 
 
@@ -82,21 +86,30 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
     return engine_name
 
 
-def compose_dict(overrides: list[str]) -> dict:
-    """Hydra compose over configs/ -> plain dict (no validation)."""
+def compose_dict(overrides: list[str], with_env_refs: bool = False):
+    """Hydra compose over configs/ -> plain dict with interpolations resolved (no validation).
+    ``with_env_refs``: also return the keys whose values read the environment (see
+    engine.config.interpolation)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
+
+    from engine.config.interpolation import env_references, resolve_container
 
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
     except Exception as e:  # Hydra's own errors (bad value syntax, etc.)
-        raise ConfigError(f"Could not apply the overrides {overrides}: {e}", title="invalid override") from None
+        text = " ".join(str(e).split())
+        raise ConfigError(f"Could not apply the overrides {' '.join(overrides)}: {text}",
+                          title="invalid override") from None
     finally:
         GlobalHydra.instance().clear()
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    data = resolve_container(cfg)
+    if with_env_refs:
+        return data, env_references(OmegaConf.to_container(cfg, resolve=False))  # type: ignore[arg-type]
+    return data
 
 
 def load_run_config(overrides: list[str] | None = None, engine: str | None = None) -> LoadedConfig:
@@ -108,11 +121,12 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
                               f"Options: {', '.join(opts)}.", title="unknown engine")
         overrides = [o for o in overrides if not o.startswith("engine=")] + [f"engine={engine}"]
     precheck_overrides(overrides, engine)
-    data = compose_dict(overrides)
+    data, env_refs = compose_dict(overrides, with_env_refs=True)
     cfg = build_run_config(data)
     groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
     defaults = build_run_config(compose_dict([f"{g}={v}" for g, v in groups.items() if g == "engine"]))
-    return LoadedConfig(cfg, overrides, groups, diff_configs(defaults, cfg))
+    changed = {k: (a, env_refs[k] if k in env_refs else b) for k, (a, b) in diff_configs(defaults, cfg).items()}
+    return LoadedConfig(cfg, overrides, groups, changed, env_refs)
 
 
 def _chosen(overrides: list[str], group: str) -> str:
@@ -140,8 +154,11 @@ def diff_configs(a: RunConfig, b: RunConfig) -> dict[str, tuple]:
 
 
 def config_from_dict(data: dict) -> RunConfig:
-    """Rebuild a RunConfig from a saved (resolved) dict, e.g. a checkpoint's config."""
-    return build_run_config(data)
+    """Rebuild a RunConfig from a saved dict, e.g. a checkpoint's config. Values saved as
+    `${oc.env:NAME}` (secrets are never saved resolved) are read from the environment now."""
+    from engine.config.interpolation import create_resolved
+
+    return build_run_config(create_resolved(data))
 
 
 def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -158,8 +175,15 @@ def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise ConfigError(f"`{o}`: config groups cannot change on resume; set individual keys instead.",
                               title="invalid override")
         check_key(key, engine_name)
-        OmegaConf.update(base, key, _parse_value(value), merge=False)
-    return build_run_config(OmegaConf.to_container(base, resolve=True))  # type: ignore[arg-type]
+        try:
+            OmegaConf.update(base, key, _parse_value(value), merge=False)
+        except Exception as e:  # a malformed interpolation, a value omegaconf cannot hold
+            from engine.config.interpolation import interpolation_error
+
+            raise interpolation_error(e) from None
+    from engine.config.interpolation import resolve_container
+
+    return build_run_config(resolve_container(base))
 
 
 def _parse_value(text: str):

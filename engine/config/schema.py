@@ -25,7 +25,8 @@ class TrainerConfig:
     total_steps: int = _f(40, "RL steps to run (each: rollout, reward, advantages, update)", min=1)
     nprocs: int = _f(1, "training ranks (data-parallel x model-parallel), one Ray actor each", min=1)
     device: str = _f("auto", "where ranks compute: auto picks cuda when available", choices=["auto", "cpu", "cuda"])
-    seed: int = _f(0, "seeds model init, data order and sampling on every rank")
+    seed: int = _f(0, "seeds model init, data order and sampling on every rank (fits numpy and torch RNGs)",
+                    min=0, max=2**32 - 1)
     val_freq: int = _f(0, "validate (greedy, held-out split) every N steps, plus before and after; 0 = off", min=0)
     log_freq: int = _f(1, "print a step row every N steps", min=1)
     ray_address: str = _f("", "Ray cluster to join: auto, host:6379 or ray://host:10001; empty = RAY_ADDRESS if "
@@ -84,8 +85,9 @@ class TaskConfig:
     correct_fn: str = _f("", "module:function -> bool: exact correctness, reported as accuracy")
     prompt_key: str = _f("prompt", "column holding the prompt (text, or a list of {role, content} messages)")
     answer_key: str = _f("answer", "column holding the reference answer (verl rows: reward_model.ground_truth)")
-    num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1)
-    num_val: int = _f(64, "held-out prompts: generated (built-in tasks) or taken from the data (at most)", min=0)
+    num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1, max=1_000_000)
+    num_val: int = _f(64, "held-out prompts: generated (built-in tasks) or taken from the data (at most)", min=0,
+                      max=100_000)
     chat_template: bool = _f(False, "wrap text prompts in the tokenizer's chat template (message prompts always "
                                     "use it)")
     allow_dataset_change: bool = _f(False, "rl resume: continue although the dataset differs from the one the "
@@ -104,12 +106,12 @@ class LoraConfig:
 class ModelConfig:
     path: str = _f("", "Hugging Face model: a local directory or a hub id in the local HF cache (offline); empty builds the tiny built-in model")
     preset: str = _f("tiny", "named model preset (see configs/model/)")
-    hidden_size: int = _f(64, "tiny model: hidden size", min=8)
-    intermediate_size: int = _f(128, "tiny model: MLP size", min=8)
-    num_layers: int = _f(2, "tiny model: transformer layers", min=1)
-    num_attention_heads: int = _f(4, "tiny model: attention heads", min=1)
-    num_key_value_heads: int = _f(2, "tiny model: key/value heads (GQA)", min=1)
-    max_position_embeddings: int = _f(128, "tiny model: longest sequence", min=8)
+    hidden_size: int = _f(64, "tiny model: hidden size", min=8, max=65536)
+    intermediate_size: int = _f(128, "tiny model: MLP size", min=8, max=262144)
+    num_layers: int = _f(2, "tiny model: transformer layers", min=1, max=1024)
+    num_attention_heads: int = _f(4, "tiny model: attention heads", min=1, max=1024)
+    num_key_value_heads: int = _f(2, "tiny model: key/value heads (GQA)", min=1, max=1024)
+    max_position_embeddings: int = _f(128, "tiny model: longest sequence", min=8, max=1_048_576)
     tie_word_embeddings: bool = _f(False, "tiny model: share input and output embeddings")
     attention_bias: bool = _f(False, "tiny model: q/k/v bias (Qwen2-style)")
     dtype: str = _f("float32", "parameter dtype for training", choices=["float32", "bfloat16"])
@@ -120,7 +122,8 @@ class ModelConfig:
 class OptimConfig:
     lr: float = _f(5e-3, "peak learning rate (AdamW)", min=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
-    betas: list = _f([0.9, 0.99], "AdamW betas")
+    betas: list = _f([0.9, 0.99], "AdamW betas: two numbers, each in [0, 1)", length=2, item_min=0.0,
+                     item_below=1.0)
     eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
     warmup_steps: int = _f(2, "linear warmup over this many optimizer steps", min=0)
     schedule: str = _f("constant", "LR after warmup", choices=["constant", "cosine", "linear"])
@@ -246,7 +249,7 @@ class CheckpointConfig:
     dir: str = _f("ckpt", "run directory: config, metrics and step_N/ checkpoints")
     save_freq: int = _f(20, "save every N steps (and at the end); 0 = only at the end", min=0)
     keep_last: int = _f(2, "complete checkpoints to keep; older ones are pruned; 0 = keep all", min=0)
-    overwrite: bool = _f(False, "allow a new run to replace an existing run directory")
+    overwrite: bool = _f(False, "allow a new run to replace an existing run directory (every file of the old run is deleted)")
     save_final: bool = _f(True, "save after the last step")
 
 

@@ -8,6 +8,7 @@ out-of-range values name the key, what was given and what is allowed.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
@@ -116,21 +117,66 @@ def coerce_value(key: str, f, value: Any) -> Any:
         allowed = "a list, e.g. [0.9,0.99]"
     if not ok:
         raise ConfigError(
-            f"`{key}` must be {allowed}; got {value!r} ({type(value).__name__}). "
+            f"`{key}` must be {allowed}; got {_short(value)} ({type(value).__name__}). "
             f"Default: {key}={_fmt(f.default)}. Help: {meta.get('help', '')}.",
             title="invalid config value")
     if "choices" in meta and v not in meta["choices"]:
         raise ConfigError(
-            f"`{key}` must be one of {', '.join(map(str, meta['choices']))}; got {value!r}."
+            f"`{key}` must be one of {', '.join(map(str, meta['choices']))}; got {_short(value)}."
             f"{suggest(str(value), [str(c) for c in meta['choices']]) if isinstance(value, str) else ''}",
             title="invalid config value")
     if "min" in meta and v < meta["min"]:
-        raise ConfigError(f"`{key}` must be >= {meta['min']}; got {value!r}. ({meta.get('help', '')})",
+        raise ConfigError(f"`{key}` must be >= {meta['min']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
     if "max" in meta and v > meta["max"]:
-        raise ConfigError(f"`{key}` must be <= {meta['max']}; got {value!r}. ({meta.get('help', '')})",
+        raise ConfigError(f"`{key}` must be <= {meta['max']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
+    problem = _value_problem(tname, v, meta)
+    if problem:
+        raise ConfigError(f"`{key}` {problem}; got {_short(value)}. Default: {key}={_fmt(_default_of(f))}. "
+                          f"Help: {meta.get('help', '')}.", title="invalid config value")
     return v
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _value_problem(tname: str, v: Any, meta: dict) -> str:
+    """What is wrong with a value of the right type: non-finite, beyond int64, bad list items."""
+    if tname == "float" and not math.isfinite(v):
+        return "must be a finite number (nan and inf are not)"
+    if tname == "int" and abs(v) > INT64_MAX:
+        return f"must fit in 64 bits (|value| <= {INT64_MAX})"
+    if tname == "str" and "\x00" in v:
+        return "must not contain a NUL character"
+    if tname == "list":
+        if "length" in meta and len(v) != meta["length"]:
+            return f"must hold exactly {meta['length']} items"
+        for item in v:
+            if isinstance(item, float) and not math.isfinite(item):
+                return "must hold finite numbers (nan and inf are not)"
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                if "item_min" in meta or "item_below" in meta:
+                    return "must hold finite numbers"
+                continue
+            if "item_min" in meta and item < meta["item_min"]:
+                return f"items must be >= {meta['item_min']}"
+            if "item_below" in meta and item >= meta["item_below"]:
+                return f"items must be < {meta['item_below']}"
+    return ""
+
+
+def _default_of(f) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return MISSING
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _fmt(v: Any) -> str:
