@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -15,20 +16,31 @@ err_console = Console(stderr=True, highlight=False)
 T = TypeVar("T")
 
 
+def strict_json_value(obj: Any) -> Any:
+    """``obj`` with every non-finite float (nan, inf) replaced by None: standard JSON has no
+    NaN/Infinity, and strict parsers (jq, JSON.parse, Go) reject them."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json_value(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json_value(v) for v in obj]
+    return obj
+
+
 def print_json(obj: Any) -> None:
-    """JSON for scripts: to stdout, nothing else on stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    """JSON for scripts: to stdout, nothing else on stdout; always standard JSON."""
+    sys.stdout.write(json.dumps(strict_json_value(obj), indent=2, default=str, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
 def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
-    """Print a one-paragraph error to stderr and exit (no traceback)."""
+    """Print a one-paragraph error to stderr and exit (no traceback). The message and title
+    are plain text: brackets such as `rl[smollm2]` are shown, never read as rich markup."""
     import typer
+    from rich.text import Text
 
-    from rich.markup import escape
-
-    # messages are plain text: "rl[tracking]" or "[console,jsonl]" must not be read as markup
-    err_console.print(Panel(escape(message), title=f"[bold red]{title}[/]", title_align="left",
+    err_console.print(Panel(Text(str(message)), title=Text(str(title), style="bold red"), title_align="left",
                             border_style="red", expand=False))
     raise typer.Exit(exit_code)
 

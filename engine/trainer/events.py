@@ -114,8 +114,9 @@ class RunSummary:
     placement: list = field(default_factory=list)   # per rank: node_id, node_ip, hostname, pid
 
     @property
-    def improvement(self) -> float:
-        return self.reward_last10 / self.reward_first10 if self.reward_first10 > 0 else float("inf")
+    def improvement(self) -> float | None:
+        """last-10 / first-10 mean reward; None when the first is not positive (no ratio)."""
+        return self.reward_last10 / self.reward_first10 if self.reward_first10 > 0 else None
 
     def to_json(self) -> dict:
         return asdict(self) | {"improvement": self.improvement}

@@ -106,7 +106,8 @@ def summary_table(s) -> Table:
     t.add_column()
     t.add_row("steps", f"{s.first_step} .. {s.last_step} ({s.steps_run} run)")
     t.add_row("reward, first 10 steps", f"{s.reward_first10:.3f}")
-    t.add_row("reward, last 10 steps", f"{s.reward_last10:.3f}  ([bold]{s.improvement:.1f}x[/])")
+    ratio = f"  ([bold]{s.improvement:.1f}x[/])" if s.improvement is not None else ""
+    t.add_row("reward, last 10 steps", f"{s.reward_last10:.3f}{ratio}")
     if s.val_before is not None or s.val_after is not None:
         t.add_row("held-out, before -> after", f"{_f(s.val_before)} -> {_f(s.val_after)}")
     alarms = getattr(s, "alarms", None) or []
