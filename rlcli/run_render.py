@@ -9,32 +9,40 @@ from pathlib import Path
 from rlcli.output import call_engine, console, err_console, print_json
 
 
-def render_config(loaded, json_out: bool) -> None:
+def render_config(loaded, json_out: bool, report=None) -> None:
+    from engine.config.interpolation import keep_env_references
     from engine.config.load import flatten
 
+    shown = keep_env_references(asdict(loaded.config), loaded.env_refs)  # environment values are not shown
     if json_out:
-        print_json({"config": asdict(loaded.config), "groups": loaded.groups,
-                    "changed": {k: list(v) for k, v in loaded.changed.items()}})
+        print_json({"config": shown, "groups": loaded.groups,
+                    "changed": {k: list(v) for k, v in loaded.changed.items()}}
+                   | ({"preflight": report.to_json()} if report is not None else {}))
         return
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="resolved config (dry run)", title_justify="left")
     t.add_column("key", style="cyan")
     t.add_column("value")
     t.add_column("default", style="dim")
-    for k, v in flatten(asdict(loaded.config)).items():
+    for k, v in flatten(shown).items():
         if k in loaded.changed:
-            t.add_row(k, f"[yellow]{v}[/]", str(loaded.changed[k][0]))
+            t.add_row(k, Text(str(v), style="yellow"), Text(str(loaded.changed[k][0])))
         else:
-            t.add_row(k, str(v), "")
+            t.add_row(k, Text(str(v)), "")
     console.print(t)
+    if report is not None:
+        from rlcli.render.preflight import preflight_table
+
+        console.print(preflight_table(report))
 
 
-def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> None:
+def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_refs=None) -> None:
     from rlcli.render.train import PhaseDisplay, StepPrinter, plan_table, summary_chart, summary_table
 
-    from engine.trainer.events import (PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunSummary, StepRecord,
-                                       Validation)
+    from engine.trainer.events import (Notice, PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunSummary,
+                                       StepRecord, Validation)
     from engine.trainer.trainer import train
 
     out = err_console if json_out else console  # under --json only the summary JSON goes to stdout
@@ -59,13 +67,17 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None) -> N
             chart = summary_chart(e.run_dir, out)
             if chart is not None:
                 out.print(chart)
+        elif isinstance(e, Notice):
+            from rich.markup import escape
+
+            out.print(f"[yellow]note[/]: {escape(e.text)}")
 
     # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             summary = call_engine(train, cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
-                                  on_event=on_event, resume=resume)
+                                  on_event=on_event, resume=resume, env_refs=env_refs)
         finally:
             phases.close()
     except KeyboardInterrupt:

@@ -151,3 +151,14 @@ class PhaseFinished:
     seconds: float
     bytes: int | None = None
     step: int | None = None
+
+
+@dataclass
+class Notice:
+    """Something the user should know that is not an error (a stale lock taken over, an old
+    run replaced)."""
+
+    text: str
+
+    def to_json(self) -> dict:
+        return asdict(self)

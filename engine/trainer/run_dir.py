@@ -3,55 +3,142 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.checkpoint.layout import (RUN_FORMAT, VERSION, complete_steps, latest_complete, list_steps, prune,
+from engine.checkpoint.layout import (RUN_FORMAT, TMP_PREFIX, VERSION, latest_complete, list_steps, prune,
                                       write_json_atomic)
 from engine.config.schema import RunConfig
 from engine.env_info import package_versions
 from engine.errors import UserError
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append one line in one write; if the write fails (disk full), cut the file back to where
+    it was, so it never ends in half a row."""
+    data = (line + "\n").encode()
+    with open(path, "ab") as f:
+        start = f.tell()
+        try:
+            f.write(data)
+            f.flush()
+        except OSError:
+            try:
+                f.truncate(start)
+            except OSError:
+                pass
+            raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Temp file + fsync + rename; the temp file is removed if the write fails."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.metrics_path = self.path / "metrics.jsonl"
+        self.env_refs: dict = {}  # key -> `${oc.env:...}` text, written instead of the resolved value
 
-    def create(self, cfg: RunConfig, overrides: list[str], overwrite: bool) -> None:
-        """Start a new run here. Refuses to touch a directory that already holds a run."""
-        existing = list_steps(self.path)
-        if (self.path / "run.json").exists() or existing:
-            if not overwrite:
-                latest = latest_complete(self.path)
-                what = f"checkpoints up to {latest.path.name}" if latest else "a run"
-                raise UserError(
-                    f"{self.path}/ already holds {what}. Continue it with `rl resume {self.path}`, start a new "
-                    f"run elsewhere with `checkpoint.dir=<new dir>`, or replace it with "
-                    f"`checkpoint.overwrite=true` (deletes its checkpoints).", title="run directory in use")
-            for s in existing:
-                shutil.rmtree(s.path)
-            for name in ("metrics.jsonl", "run.json"):
-                (self.path / name).unlink(missing_ok=True)
+    def existing_run_problem(self, overwrite: bool) -> tuple[str, str]:
+        """(why a new run cannot start here, or ""; a note on what starting here will do, or "")."""
+        if not self.path.is_dir():
+            return "", ""
+        steps = list_steps(self.path)
+        if not (self.path / "run.json").exists() and not steps:
+            return "", ""
+        if overwrite:
+            return "", f"checkpoint.overwrite=true: every file of the old run in {self.path}/ is deleted first."
+        if not self.has_progress():
+            return "", (f"{self.path}/ holds a run that stopped before writing any metrics or checkpoint; the new run "
+                        f"replaces it.")
+        latest = latest_complete(self.path)
+        what = f"checkpoints up to {latest.path.name}" if latest else "a run (metrics, no complete checkpoint)"
+        return (f"{self.path}/ already holds {what}. Continue it with `rl resume {self.path}`, start a new run "
+                f"elsewhere with `checkpoint.dir=<new dir>`, or replace it with `checkpoint.overwrite=true` "
+                f"(deletes every file of the old run)."), ""
+
+    def has_progress(self) -> bool:
+        """Whether the run here got anywhere: a metrics row, or any checkpoint (even unfinished)."""
+        if list_steps(self.path) or any(self.path.glob(TMP_PREFIX + "*")):
+            return True
+        try:
+            return self.metrics_path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def clear_old_run(self) -> None:
+        """Delete every file of the run that was here (not the lock of the run replacing it)."""
+        from engine.trainer.run_lock import LOCK_FILE
+
+        for p in sorted(self.path.iterdir()):
+            if p.name == LOCK_FILE:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+    def create(self, cfg: RunConfig, overrides: list[str], overwrite: bool,
+               env_refs: dict | None = None) -> None:
+        """Start a new run here. Refuses a directory that already holds a run that got anywhere
+        (unless ``overwrite``); a run that stopped before its first metrics row is replaced."""
+        problem, _note = self.existing_run_problem(overwrite)
+        if problem:
+            raise UserError(problem, title="run directory in use")
+        if self.path.is_dir() and ((self.path / "run.json").exists() or list_steps(self.path)):
+            self.clear_old_run()
         self.path.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
 
-        (self.path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
-        (self.path / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+        self.env_refs = dict(env_refs or {})
+        write_text_atomic(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.saved_config(cfg))))
+        write_text_atomic(self.path / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
         write_json_atomic(self.path / "versions.json", package_versions())
         write_json_atomic(self.path / "run.json", {"format": RUN_FORMAT, "version": VERSION,
                                                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                                    "engine": cfg.engine.name})
 
+    # -- secrets: values read from the environment are saved as their interpolation
+    def saved_config(self, cfg: RunConfig) -> dict:
+        from engine.config.interpolation import keep_env_references
+
+        return keep_env_references(asdict(cfg), self.env_refs)
+
+    def load_env_refs(self, overrides: list[str] | None = None) -> None:
+        """On resume: the keys config.yaml keeps as `${oc.env:...}`, plus those the resume's
+        overrides read from the environment."""
+        from omegaconf import OmegaConf
+
+        from engine.config.interpolation import env_references, override_env_references
+
+        refs: dict = {}
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(self.path / "config.yaml"), resolve=False)
+            refs = env_references(saved) if isinstance(saved, dict) else {}
+        except Exception:  # no or unreadable config.yaml: the manifest's config is what resume used
+            refs = {}
+        self.env_refs = refs | override_env_references(list(overrides or []))
+
+    # -- appending rows
     def append_metrics(self, record) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record.to_json(), default=str) + "\n")
+        append_line(self.metrics_path, json.dumps(record.to_json(), default=str))
 
     def append_validation(self, v) -> None:
-        with open(self.path / "validation.jsonl", "a") as f:
-            f.write(json.dumps(v.to_json()) + "\n")
+        append_line(self.path / "validation.jsonl", json.dumps(v.to_json()))
 
     def append_memory(self, records: list) -> None:
         from engine.memory.report import save_records
@@ -77,7 +164,7 @@ class RunDir:
                       "resolved_path": getattr(workers, "model_path", ""), "params": facts["params"],
                       **({"lora": facts["lora"]} if facts.get("lora") else {})},
             "optimizer": {"type": "AdamW", "flattened": True, "param_state": facts["param_state"]},
-            "config": asdict(cfg), "versions": package_versions(),
+            "config": self.saved_config(cfg), "versions": package_versions(),
         }
         trainer_state = {"step": step, "samples_seen": stream.pos.samples_seen, "data": stream.state_dict(),
                          "learned_buckets": workers.bucket_state(),

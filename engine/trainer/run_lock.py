@@ -69,8 +69,39 @@ class RunLock:
             return None
         return data if isinstance(data, dict) else None
 
+    @staticmethod
+    def locked_message(run_dir: Path, holder: dict) -> str:
+        return (f"{run_dir}/ is in use by another rl run: {_describe(holder)}. A run directory has one writer. "
+                f"Wait for that run to finish (or stop it), or use another checkpoint.dir.")
+
+    @staticmethod
+    def held_by_other(run_dir: Path) -> dict | None:
+        """The holder, if another process holds the lock now (checked without taking it)."""
+        try:
+            fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return RunLock.holder(run_dir) or {}
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # closing drops a lock we may just have taken
+        return None
+
     # -- taking and releasing
     def acquire(self) -> "RunLock":
+        try:
+            return self._acquire()
+        except OSError as e:
+            from engine.trainer.io_errors import describe_os_error
+
+            raise UserError(f"Cannot lock the run directory {self.run_dir}/: {describe_os_error(e)}. Choose a "
+                            f"writable checkpoint.dir.", title="run directory unusable") from None
+
+    def _acquire(self) -> "RunLock":
         self.created_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(50):  # retried only when a release races us (the file was unlinked)
@@ -79,11 +110,8 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                holder = self.holder(self.run_dir) or {}
-                raise RunLocked(
-                    f"{self.run_dir}/ is in use by another rl run: {_describe(holder)}. One run directory has one "
-                    f"writer. Wait for it to finish (or stop it), or use another checkpoint.dir.",
-                    title="run directory locked") from None
+                raise RunLocked(self.locked_message(self.run_dir, self.holder(self.run_dir) or {}),
+                                title="run directory locked") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:

@@ -31,24 +31,28 @@ from engine.tracking.samples import SAMPLES_FILE, is_sample_step, pick_rows
 from engine.trainer.data import PromptStream
 from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
-from engine.trainer.setup import RunInputs, prepare_inputs
+from engine.trainer.setup import RunInputs
 
 
 def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
-          on_event: Callable[[object], None] = lambda e: None, resume=None) -> RunSummary:
+          on_event: Callable[[object], None] = lambda e: None, resume=None,
+          env_refs: dict | None = None) -> RunSummary:
     """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan).
 
     Every event goes to ``on_event`` (the CLI) and, for what is logged, to the configured
-    loggers (engine/tracking/): metrics.jsonl, samples.jsonl, TensorBoard, wandb, MLflow."""
-    t_start = time.perf_counter()
-    from engine.device import check_device_config
+    loggers (engine/tracking/): metrics.jsonl, samples.jsonl, TensorBoard, wandb, MLflow.
+    Preflight, the run-directory lock and failure clean-up: engine/trainer/run_guard.py."""
+    from engine.trainer.run_guard import guarded_run
 
-    check_device_config(cfg)  # CUDA / FP8 hardware, before anything is created
-    inputs = prepare_inputs(cfg)  # task, tokenizer, encoded prompts, model path
-    rdir = RunDir(run_dir)
+    with guarded_run(cfg, Path(run_dir), overrides=list(overrides or []), resume=resume, env_refs=env_refs,
+                     on_event=on_event) as (rdir, inputs):  # inputs: task, tokenizer, encoded prompts, model path
+        return _run(cfg, run_dir, rdir, inputs, changed=changed, on_event=on_event, resume=resume)
+
+
+def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, changed: dict | None,
+         on_event: Callable[[object], None], resume) -> RunSummary:
+    t_start = time.perf_counter()
     tracking = None
-    if resume is None:
-        rdir.create(cfg, overrides or [], overwrite=cfg.checkpoint.overwrite)
     write_dataset_record(rdir.path, inputs.task.data_info)  # `rl resume` refuses changed data
     logged_through = last_logged_step(run_dir) if resume is not None else -1  # before resume truncates
     stream = PromptStream(len(inputs.train_prompts), cfg.trainer.seed, cfg.data.shuffle)

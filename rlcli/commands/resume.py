@@ -68,11 +68,22 @@ def register(app: typer.Typer) -> None:
 
         plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial,
                            verify=not no_verify)
+        report = None
+        if dry_run:  # the same preflight the run does (extras, model, reward, run directory); creates nothing
+            from engine.trainer.preflight import preflight
+
+            report = call_engine(preflight, plan.config, run_dir=Path(plan.run_dir), resume=plan)
+            report.close()
         if json_out and dry_run:
-            print_json(plan.to_json())
+            print_json(plan.to_json() | {"preflight": report.to_json()})
         else:
             (err_console if json_out else console).print(resume_table(plan))
+            if report is not None:
+                from rlcli.render.preflight import preflight_table
+
+                console.print(preflight_table(report))
         call_engine(plan.raise_if_refused)
         if dry_run:
+            call_engine(report.raise_if_failed)
             return
         run_and_render(plan.config, overrides=plan.overrides, changed=plan.changed, json_out=json_out, resume=plan)

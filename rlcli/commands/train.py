@@ -41,7 +41,8 @@ def register(app: typer.Typer) -> None:
             "--engine", "-e", help="Training backend: fsdp or megatron (same as engine=<name>).",
             autocompletion=complete_engine, rich_help_panel="Engine")] = None,
         dry_run: Annotated[bool, typer.Option(
-            "--dry-run", help="Validate the config and print the resolved plan; run nothing.",
+            "--dry-run", help="Validate the config, run the preflight checks (extras, model, reward function, "
+            "run directory) and print the resolved config; create nothing.",
             rich_help_panel="Output")] = False,
         json_out: Annotated[bool, typer.Option(
             "--json", help="Print the final summary as JSON on stdout (progress goes to stderr).",
@@ -55,6 +56,12 @@ def register(app: typer.Typer) -> None:
 
         loaded = call_engine(load_run_config, list(overrides or []), engine=engine)
         if dry_run:
-            render_config(loaded, json_out)
+            from engine.trainer.preflight import preflight
+
+            report = call_engine(preflight, loaded.config, env_refs=loaded.env_refs)
+            report.close()
+            render_config(loaded, json_out, report)
+            call_engine(report.raise_if_failed)
             return
-        run_and_render(loaded.config, overrides=loaded.overrides, changed=loaded.changed, json_out=json_out)
+        run_and_render(loaded.config, overrides=loaded.overrides, changed=loaded.changed, json_out=json_out,
+                       env_refs=loaded.env_refs)

@@ -1,0 +1,288 @@
+"""Preflight: everything a run needs, checked before its run directory is created.
+
+    report = preflight(cfg, run_dir=Path(cfg.checkpoint.dir))          # rl train (and --dry-run)
+    report = preflight(plan.config, run_dir=Path(plan.run_dir), resume=plan)   # rl resume
+    report.raise_if_failed()     # ConfigError (exit 2): one paragraph per failed check
+    inputs = report.inputs       # the prepared task/tokenizer/prompts, reused by train()
+
+Checks, in order (a check whose input failed is skipped, never reported twice):
+  extras          packages the chosen engine and rollout need (`pip install 'rl[megatron]'`)
+  device          trainer.device=cuda needs CUDA, engine.fp8 an FP8-capable GPU
+  reward function a prompt-file/dataset task's reward function imports and takes
+                  (prompt, response, answer); a built-in task refuses task.reward_fn (it would be ignored)
+  model and task  the model path/preset resolves, its tokenizer loads, the prompts encode and fit
+  run directory   not held by another run, not an existing run (unless overwrite/resume),
+                  writable (probed with a temporary directory, removed again), free space for one
+                  checkpoint (estimated from the parameter count; on resume, the checkpoint's size)
+
+Values (finite numbers, ranges, list lengths, seed range) and interpolations are checked when
+the config is built (engine.config.validate / engine.config.interpolation), before this runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config.schema import RunConfig
+from engine.errors import ConfigError, UserError
+from engine.trainer.io_errors import describe_os_error
+
+BUILTIN_TASKS = ("echo", "add", "arith")   # score with their own rule: task.reward_fn does not apply
+
+# (config key, value) -> (module to find, distribution, pip extra)
+EXTRAS = {
+    ("engine", "megatron"): ("megatron.core", "megatron-core", "megatron"),
+    ("rollout", "vllm"): ("vllm", "vllm", "vllm"),
+}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None          # None: skipped (an earlier check it depends on failed)
+    detail: str
+    title: str = "preflight"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class PreflightReport:
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    estimated_checkpoint_bytes: int | None = None
+    inputs: object = field(default=None, repr=False)   # engine.trainer.setup.RunInputs
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.ok is False]
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "checks": [c.to_json() for c in self.checks], "notes": list(self.notes),
+                "estimated_checkpoint_bytes": self.estimated_checkpoint_bytes}
+
+    def close(self) -> None:
+        """Release what the prepared inputs hold (the reward runner's process pool, if started)."""
+        rewards = getattr(self.inputs, "rewards", None)
+        if rewards is not None:
+            rewards.close()
+
+    def raise_if_failed(self) -> None:
+        bad = self.failures
+        if not bad:
+            return
+        if len(bad) == 1:
+            raise ConfigError(bad[0].detail + " Nothing was created.", title=bad[0].title)
+        text = " ".join(f"({i}) {c.name}: {c.detail}" for i, c in enumerate(bad, 1))
+        raise ConfigError(f"{len(bad)} problems: {text} Nothing was created.", title="preflight failed")
+
+
+def _record(report: PreflightReport, name: str, fn) -> bool:
+    """Run one check: fn() -> detail (ok) or raises UserError (failed)."""
+    try:
+        detail = fn()
+    except UserError as e:
+        report.checks.append(Check(name, False, e.message, e.title))
+        return False
+    report.checks.append(Check(name, True, detail or "ok"))
+    return True
+
+
+def _skip(report: PreflightReport, name: str, why: str) -> None:
+    report.checks.append(Check(name, None, f"skipped: {why}"))
+
+
+# ---- extras ---------------------------------------------------------------------------
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked (sys.modules[name] = None)
+        return False
+
+
+def check_extras(cfg: RunConfig) -> str:
+    needed = []
+    chosen = {"engine": cfg.engine.name, "rollout": cfg.rollout.name}
+    for (key, value), (module, dist, extra) in EXTRAS.items():
+        if chosen.get(key) == value:
+            if not module_available(module):
+                how = "--engine megatron" if key == "engine" else f"{key}={value}"
+                raise ConfigError(f"`{how}` needs {dist}, which is not installed (no `{module}` module). Install "
+                                  f"it with `pip install 'rl[{extra}]'`, or choose another {key}.",
+                                  title="missing dependency")
+            needed.append(dist)
+    return f"installed: {', '.join(needed)}" if needed else "nothing extra needed"
+
+
+def _check_device(cfg: RunConfig) -> str:
+    from engine.device import check_device_config
+
+    check_device_config(cfg)  # CUDA / FP8 hardware
+    return f"trainer.device={cfg.trainer.device}"
+
+
+# ---- reward function ------------------------------------------------------------------
+def check_reward(cfg: RunConfig, resume: bool) -> str:
+    """A dataset task's reward functions import and fit their calling convention (checked by
+    engine.rewards.spec, which owns the conventions); a built-in task takes none."""
+    t = cfg.task
+    named = [x for x in [t.reward_fn, *list(t.reward_fns or []), t.correct_fn] if x]
+    if t.name in BUILTIN_TASKS:
+        if named and not resume:
+            raise ConfigError(f"`task.reward_fn={named[0]}` does not apply to the built-in task `task={t.name}`, "
+                              f"which scores responses with its own rule; it would be silently ignored. Drop "
+                              f"it, or train on your own prompts with it (task=dataset task.path=prompts.jsonl "
+                              f"task.reward_fn={named[0]}).", title="invalid config")
+        return f"built-in rule of task={t.name}"
+    from engine.rewards.spec import user_reward_specs
+
+    return ", ".join(s.name for s in user_reward_specs(t))
+
+
+# ---- model and task -------------------------------------------------------------------
+def check_model_and_task(cfg: RunConfig, report: PreflightReport) -> str:
+    from engine.trainer.setup import prepare_inputs, resolve_model_path
+
+    try:
+        model_path = resolve_model_path(cfg)
+        report.inputs = prepare_inputs(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # a model directory transformers cannot read, a tokenizer that fails to load
+        what = f"model.path={cfg.model.path}" if cfg.model.path else f"model={cfg.model.preset}"
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise ConfigError(f"`{what}` cannot be loaded: {type(e).__name__}: {first}. Point model.path at a local "
+                          f"Hugging Face model directory (config.json, tokenizer, weights), or drop it to use the "
+                          f"tiny built-in model.", title="invalid model") from None
+    inputs = report.inputs
+    return (f"{model_path or 'tiny built-in model'}; task={cfg.task.name}: {len(inputs.train_prompts)} train / "
+            f"{len(inputs.val_prompts)} held-out prompts")
+
+
+# ---- run directory --------------------------------------------------------------------
+def estimate_checkpoint_bytes(cfg: RunConfig, resume=None, inputs=None) -> int | None:
+    """One checkpoint's size, without importing torch: on resume the checkpoint's own size; else
+    params x (param bytes + AdamW's two fp32 moments) plus a margin (RNG, manifest, DCP
+    metadata). Params: the tiny model's from its dims; a model directory's from its weight
+    files (assumed 16-bit on disk). None when there is nothing to estimate from."""
+    if resume is not None:
+        try:
+            return sum(p.stat().st_size for p in Path(resume.step_dir).rglob("*") if p.is_file())
+        except OSError:
+            return None
+    model_path = getattr(inputs, "model_path", None)
+    if inputs is None:
+        return None
+    if model_path:
+        try:
+            weights = sum(p.stat().st_size for p in Path(model_path).iterdir()
+                          if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+        except OSError:
+            return None
+        n = weights // 2
+    else:
+        n = tiny_param_count(cfg, inputs.vocab["size"])
+    per_param = (2 if cfg.model.dtype == "bfloat16" else 4) + 8
+    return int(n * per_param * 1.25) + 256 * 1024
+
+
+def tiny_param_count(cfg: RunConfig, vocab: int) -> int:
+    """Parameters of the built-in Llama-style model (engine/model/build.py) from model.* dims."""
+    m = cfg.model
+    h, i, heads, kv = m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads
+    d = h // heads
+    bias = 1 if m.attention_bias else 0
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h + bias * (heads * d + 2 * kv * d)
+    layer = attn + 3 * h * i + 2 * h
+    return vocab * h * (1 if m.tie_word_embeddings else 2) + m.num_layers * layer + h
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def probe_writable(run_dir: Path) -> Path:
+    """Create and remove a temporary directory (with a small file) where the run directory
+    will be; returns the directory probed. Raises ConfigError naming what is wrong."""
+    shown = f"checkpoint.dir={run_dir}"
+    try:
+        base = _nearest_existing(run_dir.absolute())
+        if not base.is_dir():
+            where = "is a file" if base == run_dir.absolute() else f"is under {base}, which is a file"
+            raise ConfigError(f"`{shown}` {where}, not a directory. Choose another checkpoint.dir.",
+                              title="run directory unusable")
+        probe = Path(tempfile.mkdtemp(prefix=".rl-preflight-", dir=base))
+        try:
+            (probe / "probe").write_bytes(b"\0" * 4096)
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"`{shown}` cannot be written: {describe_os_error(e)}. Choose a writable "
+                          f"checkpoint.dir.", title="run directory unusable") from None
+    return base
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path, report: PreflightReport, resume=None) -> str:
+    from engine.trainer.run_dir import RunDir
+    from engine.trainer.run_lock import RunLock
+
+    holder = RunLock.held_by_other(run_dir)
+    if holder is not None:
+        raise ConfigError(RunLock.locked_message(run_dir, holder), title="run directory locked")
+    if resume is None:
+        problem, note = RunDir(run_dir).existing_run_problem(cfg.checkpoint.overwrite)
+        if problem:
+            raise UserError(problem, title="run directory in use")
+        if note:
+            report.notes.append(note)
+    base = probe_writable(run_dir)
+    need = report.estimated_checkpoint_bytes = estimate_checkpoint_bytes(cfg, resume, report.inputs)
+    free = shutil.disk_usage(base).free
+    if need is not None and free < need:
+        raise ConfigError(f"`checkpoint.dir={run_dir}` has {_fmt_bytes(free)} free; one checkpoint needs about "
+                          f"{_fmt_bytes(need)}. Free space there, or choose another checkpoint.dir.",
+                          title="not enough disk space")
+    est = f"one checkpoint ~{_fmt_bytes(need)}" if need is not None else "checkpoint size not estimated"
+    return f"writable, {_fmt_bytes(free)} free ({est})"
+
+
+# ---- the whole preflight ----------------------------------------------------------------
+def preflight(cfg: RunConfig, *, run_dir: Path | None = None, resume=None,
+              env_refs: dict | None = None) -> PreflightReport:
+    """Check everything the run needs; creates nothing (the writability probe removes itself)."""
+    report = PreflightReport()
+    run_dir = Path(run_dir if run_dir is not None else cfg.checkpoint.dir)
+    if env_refs:
+        report.notes.append(f"{len(env_refs)} value(s) read from the environment ({', '.join(sorted(env_refs))}): "
+                            f"saved as written (e.g. ${{oc.env:NAME}}), never resolved.")
+    extras_ok = _record(report, "extras", lambda: check_extras(cfg))
+    _record(report, "device", lambda: _check_device(cfg))
+    reward_ok = _record(report, "reward function", lambda: check_reward(cfg, resume is not None))
+    if extras_ok and reward_ok:
+        _record(report, "model and task", lambda: check_model_and_task(cfg, report))
+    else:
+        _skip(report, "model and task", "fix the problems above first")
+    _record(report, "run directory", lambda: check_run_dir(cfg, run_dir, report, resume))
+    return report
