@@ -9,6 +9,8 @@ instead of Hydra's "Key 'x' is not in struct".
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,9 +126,19 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
     data, env_refs = compose_dict(overrides, with_env_refs=True)
     cfg = build_run_config(data)
     groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
-    defaults = build_run_config(compose_dict([f"{g}={v}" for g, v in groups.items() if g == "engine"]))
+    defaults = _defaults(groups["engine"])
     changed = {k: (a, env_refs[k] if k in env_refs else b) for k, (a, b) in diff_configs(defaults, cfg).items()}
     return LoadedConfig(cfg, overrides, groups, changed, env_refs)
+
+
+def _defaults(engine_name: str) -> RunConfig:
+    """The config with no overrides but the engine (what `changed` is measured against)."""
+    return copy.deepcopy(_defaults_cached(engine_name))
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults_cached(engine_name: str) -> RunConfig:
+    return build_run_config(compose_dict([f"engine={engine_name}"]))
 
 
 def _chosen(overrides: list[str], group: str) -> str:
