@@ -4,6 +4,8 @@ tells an I/O failure (disk full, read-only, permissions) from a bug."""
 from __future__ import annotations
 
 import errno
+import os
+from pathlib import Path
 
 _REASONS = {
     errno.ENOSPC: "the disk is full",
@@ -34,10 +36,13 @@ def disk_error_in(e: BaseException) -> OSError | None:
     """The OSError behind ``e`` (itself, its cause/context chain, or a Ray task error's cause),
     if the failure was the file system's; None otherwise."""
     seen = set()
-    todo = [e]
+    todo: list = [e]
     while todo:
         x = todo.pop()
-        if x is None or id(x) in seen:
+        if isinstance(x, (tuple, list)):  # e.g. DCP's per-rank failures: (exception, traceback)
+            todo += list(x)
+            continue
+        if not isinstance(x, BaseException) or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in _REASONS:
@@ -46,4 +51,22 @@ def disk_error_in(e: BaseException) -> OSError | None:
         failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
             todo += list(failures.values())
+    return None
+
+
+def file_system_problem(path: Path, need_bytes: int | None) -> OSError | None:
+    """After a failure whose exception does not say (torch's zip writer turns ENOSPC into a
+    RuntimeError "unexpected pos"): is the file system under ``path`` read-only, or without room
+    for ``need_bytes``? Returned as the OSError the write would have raised."""
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    if need_bytes is not None and st.f_bavail * st.f_frsize < need_bytes:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     return None

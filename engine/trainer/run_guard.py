@@ -24,7 +24,7 @@ from engine.checkpoint.layout import TMP_PREFIX, complete_steps, latest_complete
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.trainer.events import Notice
-from engine.trainer.io_errors import describe_os_error, disk_error_in
+from engine.trainer.io_errors import describe_os_error, disk_error_in, file_system_problem
 from engine.trainer.preflight import preflight
 from engine.trainer.run_dir import RunDir
 from engine.trainer.run_lock import RunLock
@@ -105,7 +105,9 @@ def guarded_run(cfg: RunConfig, run_dir: Path, *, overrides: list[str], resume, 
         yield rdir, report.inputs
     except BaseException as e:
         failed = True
-        err = disk_error_in(e) if not isinstance(e, UserError) else None
+        err = None
+        if not isinstance(e, (UserError, KeyboardInterrupt)):
+            err = disk_error_in(e) or file_system_problem(run_dir, report.estimated_checkpoint_bytes)
         if err is not None:
             _remove_unfinished_saves(run_dir)
             raise RunStoppedOnDiskError(_stopped_message(run_dir, err), title="run stopped: write failed") from None

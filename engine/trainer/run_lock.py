@@ -105,7 +105,9 @@ class RunLock:
         self.created_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(50):  # retried only when a release races us (the file was unlinked)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # read-only: a file held open for writing would keep the file system from being
+            # remounted read-only; the holder's details are written through a second, short-lived fd
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -140,11 +142,10 @@ class RunLock:
     def _write_holder(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        data = json.dumps(info).encode()
-        assert self._fd is not None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
-        os.fsync(self._fd)
+        with open(self.path, "w") as f:  # the same file (inode checked in _acquire), truncated
+            f.write(json.dumps(info))
+            f.flush()
+            os.fsync(f.fileno())
 
     def release(self) -> None:
         if self._fd is None:
