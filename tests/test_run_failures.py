@@ -142,7 +142,7 @@ def test_read_only_file_system_during_a_run_stops_cleanly(tmp_path):
 
         from tests.cli_utils import ROOT
 
-        p = subprocess.Popen([sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=8",
+        p = subprocess.Popen([sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=5",
                               "checkpoint.save_freq=1", f"checkpoint.dir={d}", *SMALL], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
