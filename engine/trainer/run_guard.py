@@ -60,8 +60,15 @@ def _stopped_message(run_dir: Path, err: OSError) -> str:
 
 
 def _remove_unfinished_saves(run_dir: Path) -> None:
+    """The unfinished checkpoint and the temp files of atomic rewrites (e.g. metrics.jsonl.tmp
+    from resume's truncation): never data, and they hold the space a full disk needs."""
     for p in run_dir.glob(TMP_PREFIX + "*"):
         shutil.rmtree(p, ignore_errors=True)
+    for p in run_dir.glob("*.tmp"):
+        try:
+            p.unlink()
+        except OSError:
+            pass
 
 
 def _remove_created(run_dir: Path, before: set[str], created_dir: bool) -> None:
