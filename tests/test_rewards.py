@@ -176,6 +176,8 @@ def test_config_errors(mod):
         user_reward_specs(TaskConfig(name="dataset", reward_fns=[f"{mod}:length"], reward_weights=[1, 2]))
     with pytest.raises(ConfigError, match=r"looks batched.*but is called per sample.*reward_batched=true"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:trl_batched"))
+    with pytest.raises(ConfigError, match=r"looks per-sample.*drop task.reward_batched=true"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:length", reward_batched=True))
     with pytest.raises(ConfigError, match=r"no built-in reward `math_boxd`\. Did you mean `rl:math_boxed`"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn="rl:math_boxd"))
     with pytest.raises(ConfigError, match=r"no function `nope`"):

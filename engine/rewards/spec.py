@@ -142,6 +142,11 @@ def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]
     if spec.batched is False and positional and positional[0].name in ("prompts", "completions"):
         raise ConfigError(f"reward function `{spec.name}{sig}` looks batched (first argument `{positional[0].name}`)"
                           f" but is called per sample{flip}.", title="invalid reward function")
+    if spec.batched and positional and (positional[0].name == "prompt" or
+                                        any(p.name == "response" for p in positional[:3])):
+        raise ConfigError(f"reward function `{spec.name}{sig}` looks per-sample (it takes `prompt`/`response`) but "
+                          f"task.reward_batched=true calls it with whole batches{flip}.",
+                          title="invalid reward function")
     extra_required = [p.name for p in params[len(base):] if p.default is p.empty
                       and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if columns is not None and not var_kw:
