@@ -47,8 +47,8 @@ def run_one(estimator: str, seed: int, args, work: Path) -> dict:
 
 def table(results: list[dict], estimators: list[str]) -> str:
     lines = ["| estimator | held-out accuracy, median (per seed) | train reward last 10, median | "
-             "wall time s, median | entropy at end, median | alarms raised |",
-             "|---|---|---|---|---|---|"]
+             "wall time s, median | alarms raised |",
+             "|---|---|---|---|---|"]
     for e in estimators:
         rs = [r for r in results if r["estimator"] == e]
         if not rs:
@@ -57,7 +57,7 @@ def table(results: list[dict], estimators: list[str]) -> str:
         per = ", ".join(f"{r['val_after']:.3f}" for r in rs)
         alarms = sorted({a for r in rs for a in r["alarms"]})
         lines.append(f"| `{e}` | **{med('val_after'):.3f}** ({per}) | {med('reward_last10'):.3f} | "
-                     f"{med('wall_time_s'):.0f} | {med('entropy_last'):.3f} | {', '.join(alarms) or '-'} |")
+                     f"{med('wall_time_s'):.0f} | {', '.join(alarms) or '-'} |")
     return "\n".join(lines)
 
 
