@@ -10,6 +10,7 @@ and `rl resume` finishes it once the host is back."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -48,7 +49,7 @@ def test_two_ranks_on_two_hosts_match_single_node(hosts, tmp_path):
                           f"checkpoint.dir={shared / 'two_hosts'}")
     assert r.returncode == 0, r.stderr[-4000:]
     placement = json.loads(r.stdout)["placement"]
-    assert [p["node_ip"] for p in placement] == [HEAD_IP, WORKER_IP], placement
+    assert sorted(p["node_ip"] for p in placement) == [HEAD_IP, WORKER_IP], placement  # either rank on either host
     assert len({p["node_id"] for p in placement}) == 2, placement
     ref = subprocess.run(rl_cmd("train", *RUN, "trainer.total_steps=3", "checkpoint.save_final=false",
                                 f"checkpoint.dir={tmp_path / 'one_host'}", "--json"),
@@ -78,15 +79,15 @@ def test_unplaceable_request_is_refused_naming_the_cluster(hosts):
 
 def test_checkpoint_dir_not_shared_by_every_node_is_refused(hosts):
     """Host B sees a private directory at the checkpoint path: the driver's marker is not
-    visible to rank 1, and the run is refused naming that rank and node (rank 0 on host A
-    sees it and is not named); no step ran and the marker is removed."""
+    visible to the rank placed there, and the run is refused naming that rank and node (the
+    rank on host A sees it and is not named); no step ran and the marker is removed."""
     h, shared = hosts
     d = shared / "private_view" / "ck"
     r = _train_on_cluster(h, *RUN, "trainer.nnodes=2", "trainer.total_steps=1", f"checkpoint.dir={d}")
     assert r.returncode == 2, r.stderr[-3000:]
     err = plain(r.stderr)
-    assert "not shared with every rank" in err and f"rank 1 on node {WORKER_IP}" in err, err
-    assert "rank 0 on node" not in err and "Traceback" not in err
+    assert "not shared with every rank" in err and f"on node {WORKER_IP}" in err, err
+    assert f"on node {HEAD_IP}" not in err and "Traceback" not in err
     assert not metrics_rows(d) and not list(d.glob("step_*")) and not list(d.glob(".rl-shared-check-*"))
 
 
@@ -106,7 +107,8 @@ def test_losing_the_second_host_mid_run_then_resume_finishes(hosts):
             proc.wait(30)
     assert proc.returncode == 1, out[-4000:]
     text = plain(out)
-    assert f"rank 1 on node {WORKER_IP}" in text and "rank lost" in text and "rl resume" in text, text[-4000:]
+    assert f"on node {WORKER_IP}" in text and "rank lost" in text and "rl resume" in text, text[-4000:]
+    assert re.search(rf"rank [01] on node {re.escape(WORKER_IP)} .* was lost", text), text[-4000:]
     assert "Traceback" not in text, text[-4000:]
     done = max(int(p.name.split("_")[1]) for p in d.glob("step_*") if (p / "manifest.json").exists())
     h.start_worker()
