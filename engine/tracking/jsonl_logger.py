@@ -17,5 +17,15 @@ class JsonlLogger:
         self.path = Path(run_dir) / METRICS_FILE
 
     def write_step(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        data = (json.dumps(row, default=str) + "\n").encode()
+        with open(self.path, "ab") as f:  # one write; cut back if it fails (disk full): never half a row
+            start = f.tell()
+            try:
+                f.write(data)
+                f.flush()
+            except OSError:
+                try:
+                    f.truncate(start)
+                except OSError:
+                    pass
+                raise
