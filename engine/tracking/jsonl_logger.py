@@ -18,12 +18,13 @@ class JsonlLogger:
 
     def write_step(self, row: dict) -> None:
         data = (json.dumps(row, default=str) + "\n").encode()
-        with open(self.path, "ab") as f:  # one write; cut back if it fails (disk full): never half a row
+        with open(self.path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
             start = f.tell()
             try:
-                f.write(data)
-                f.flush()
-            except OSError:
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view):]
+            except OSError:  # disk full: cut back to where the file was, never half a row
                 try:
                     f.truncate(start)
                 except OSError:

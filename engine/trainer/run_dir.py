@@ -20,12 +20,13 @@ def append_line(path: Path, line: str) -> None:
     """Append one line in one write; if the write fails (disk full), cut the file back to where
     it was, so it never ends in half a row."""
     data = (line + "\n").encode()
-    with open(path, "ab") as f:
+    with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
         start = f.tell()
         try:
-            f.write(data)
-            f.flush()
-        except OSError:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:  # disk full: cut back to where the file was, never half a row
             try:
                 f.truncate(start)
             except OSError:
