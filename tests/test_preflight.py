@@ -239,3 +239,24 @@ def test_dry_run_json_reports_preflight_and_is_standard_json():
     assert names == ["extras", "device", "reward function", "model and task", "run directory"]
     assert out["preflight"]["ok"] is True and out["preflight"]["estimated_checkpoint_bytes"] > 0
     assert not os.path.exists("ckpt")  # the writability probe leaves nothing
+
+
+def test_row_append_on_a_full_disk_leaves_no_half_row(mount_tmpfs):
+    """metrics.jsonl rows (and the run's other .jsonl rows) are appended in one unbuffered write
+    that is cut back when the disk is full: the file keeps only whole rows."""
+    from engine.tracking.jsonl_logger import JsonlLogger
+    from engine.trainer.run_dir import append_line
+
+    fs = mount_tmpfs("full", "64k")
+    logger = JsonlLogger(fs)
+    logger.write_step({"step": 1})
+    append_line(fs / "memory.jsonl", '{"step": 1}')
+    free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+    (fs / "filler").write_bytes(b"\0" * (free - 16384))  # 16 KiB left: part of the next row fits
+    big = {"step": 2, "pad": "x" * 65536}
+    with pytest.raises(OSError):
+        logger.write_step(big)
+    with pytest.raises(OSError):
+        append_line(fs / "memory.jsonl", json.dumps(big))
+    assert (fs / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (fs / "memory.jsonl").read_text() == '{"step": 1}\n'
