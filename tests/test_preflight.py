@@ -260,3 +260,18 @@ def test_row_append_on_a_full_disk_leaves_no_half_row(mount_tmpfs):
         append_line(fs / "memory.jsonl", json.dumps(big))
     assert (fs / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (fs / "memory.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_every_builtin_task_refuses_a_reward_fn():
+    """Each built-in task (the registry's list, so a new one is covered) refuses task.reward_fn
+    instead of silently ignoring it."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+    from engine.tasks.registry import BUILTIN_TASKS
+    from engine.trainer.preflight import check_reward
+
+    assert "sort" in BUILTIN_TASKS
+    for name in BUILTIN_TASKS:
+        cfg = load_run_config([f"task={name}", "task.reward_fn=rl:exact_match"]).config
+        with pytest.raises(ConfigError, match="does not apply to the built-in task"):
+            check_reward(cfg, resume=False)

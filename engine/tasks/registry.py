@@ -6,6 +6,7 @@ from engine.config.schema import TaskConfig
 from engine.tasks.base import Task
 
 FILE_TASKS = ("dataset", "jsonl", "parquet")  # one loader; jsonl/parquet are kept as aliases
+BUILTIN_TASKS = ("echo", "add", "arith", "sort")  # generated prompts, scored by their own rule
 
 
 def make_task(cfg: TaskConfig, seed: int) -> Task:

@@ -31,7 +31,6 @@ from engine.config.schema import RunConfig
 from engine.errors import ConfigError, UserError
 from engine.trainer.io_errors import describe_os_error
 
-BUILTIN_TASKS = ("echo", "add", "arith")   # score with their own rule: task.reward_fn does not apply
 
 # (config key, value) -> (module to find, distribution, pip extra)
 EXTRAS = {
@@ -134,6 +133,8 @@ def _check_device(cfg: RunConfig) -> str:
 def check_reward(cfg: RunConfig, resume: bool) -> str:
     """A dataset task's reward functions import and fit their calling convention (checked by
     engine.rewards.spec, which owns the conventions); a built-in task takes none."""
+    from engine.tasks.registry import BUILTIN_TASKS  # they score with their own rule: reward_fn does not apply
+
     t = cfg.task
     named = [x for x in [t.reward_fn, *list(t.reward_fns or []), t.correct_fn] if x]
     if t.name in BUILTIN_TASKS:
