@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra overrides for both runs (e.g. data.train_batch_size=8)")
     args = ap.parse_args()
 
-    from engine.checkpoint.load import plan_resume
+    from engine.checkpoint.plan import plan_resume
 
     fresh, resumed, loads, plans = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="rl-bench-resume-") as tmp:

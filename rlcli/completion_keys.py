@@ -41,9 +41,8 @@ TREE_FORMAT = 2
 CACHE_ENV = "RL_COMPLETION_CACHE"
 KEEP_TREES = 8  # cached trees kept in the cache directory (one per version of the sources)
 COMPLETE_ENV = "_RL_COMPLETE"
-STEP_PREFIX = "step_"
-MANIFEST = "manifest.json"
-RUN_MARKER = "run.json"
+from engine.checkpoint.layout import MANIFEST, STEP_PREFIX  # noqa: E402  (the one layout; stdlib only)
+from engine.checkpoint.layout import RUN_FILE as RUN_MARKER  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------

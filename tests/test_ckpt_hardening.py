@@ -5,7 +5,6 @@ symlink loops, hashes computed while writing, safe RNG and metadata loading, par
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -172,7 +171,7 @@ def test_legacy_manifest_without_hashes_is_accepted_with_sizes_only(tmp_path):
 
 # ---- safe loading on the rank side ---------------------------------------------------------
 def test_garbage_rng_file_is_a_checkpoint_error(tmp_path):
-    from engine.checkpoint.load import load_rng_file
+    from engine.checkpoint.restore import load_rng_file
 
     f = tmp_path / "rank_0.pt"
     f.write_bytes(os.urandom(2048))
@@ -196,7 +195,7 @@ def test_dcp_metadata_that_would_run_code_is_refused_by_the_rank_reader(tmp_path
 
 
 def test_truncated_metrics_row_is_dropped_and_the_file_ends_in_a_newline(tmp_path):
-    from engine.checkpoint.load import truncate_jsonl
+    from engine.checkpoint.run_files import truncate_jsonl
 
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + "\n" + '{"step": 3, "rew')

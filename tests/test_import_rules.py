@@ -39,7 +39,7 @@ VIOLATIONS = [
      "rollout does not import the training backends"),
     ("engine/config/validate.py", "import engine.device",
      "config imports no torch"),
-    ("engine/checkpoint/load.py", "from engine.trainer.run_dir import RunDir",
+    ("engine/checkpoint/plan.py", "from engine.trainer.run_dir import RunDir",
      "checkpoint, memory and rollout do not import the trainer"),
     ("engine/algorithms/advantages.py", "import ray",
      "algorithms are pure"),

@@ -24,8 +24,11 @@ import torch
 import torch.nn as nn
 from typer.testing import CliRunner
 
-from engine.checkpoint.load import (classify_optimizer_entries, find_checkpoint, group_names, load_rank_state,
-                                    plan_resume, truncate_jsonl)
+from engine.checkpoint.find import find_checkpoint
+from engine.checkpoint.optimizer_entries import classify_optimizer_entries, group_names
+from engine.checkpoint.plan import plan_resume
+from engine.checkpoint.restore import load_rank_state
+from engine.checkpoint.run_files import truncate_jsonl
 from engine.checkpoint.resume_rules import classify
 from engine.errors import CheckpointError
 from tests.ckpt_tools import reseal
@@ -478,7 +481,7 @@ def _reload_and_resave(rank: int, world: int, step_dir: str, out_dir: str) -> No
     import torch.distributed.checkpoint as dcp
 
     from engine.backends.fsdp import FSDPEngine
-    from engine.checkpoint.load import load_rank_state
+    from engine.checkpoint.restore import load_rank_state
     from engine.config.load import config_from_dict
     from engine.trainer.setup import prepare_inputs
 

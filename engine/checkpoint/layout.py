@@ -1,5 +1,9 @@
 """Where checkpoints live on disk and which are complete (docs/checkpoint-format.md).
 
+The one definition of the layout's names, used by engine/checkpoint (save, find, verify),
+engine/inspect/rl_checkpoint.py and TAB completion (rlcli/completion_keys.py: this module is
+standard library only, so it is cheap on every keystroke).
+
 A step directory is complete iff its manifest.json exists; "latest" is always derived from
 the disk, never from a pointer file that can go stale.
 """
@@ -13,9 +17,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+STEP_PREFIX = "step_"
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-step_"
+TMP_STEP_RE = re.compile(r"^\.tmp-step_(\d+)$")
+# left behind by the writer: a same-named leftover moved aside by a save, a prune in progress
+ASIDE_RE = re.compile(r"^\.(?:stale-step_(\d+)-\d+|deleting-step_(\d+))$")
 MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
+TRAINER_FILE = "trainer.json"
+STATE_DIR = "state"
+RNG_DIR = "rng"
+RNG_FILE_RE = re.compile(r"^rank_(\d+)\.pt$")             # inside rng/
+RNG_PATH_RE = re.compile(r"^rng/rank_(\d+)\.pt$")          # relative to the step dir
+DCP_DATA_PATH_RE = re.compile(r"^state/__(\d+)_\d+\.distcp$")  # relative to the step dir: rank R's shard
 FORMAT = "rl-checkpoint"
 RUN_FORMAT = "rl-run"
 VERSION = 1               # run.json's format version
@@ -37,7 +52,15 @@ class StepDir:
 
 
 def step_dir_name(step: int) -> str:
-    return f"step_{step}"
+    return f"{STEP_PREFIX}{step}"
+
+
+def step_from_name(name: str) -> int | None:
+    """The step of ``step_N``, ``.tmp-step_N``, ``.stale-step_N-<t>`` or ``.deleting-step_N``."""
+    m = STEP_RE.match(name) or TMP_STEP_RE.match(name) or ASIDE_RE.match(name)
+    if not m:
+        return None
+    return int(next(g for g in m.groups() if g is not None))
 
 
 def list_steps(run_dir: Path) -> list[StepDir]:
@@ -67,7 +90,7 @@ def latest_complete(run_dir: Path) -> StepDir | None:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "run.json").is_file() or bool(list_steps(path))
+    return (path / RUN_FILE).is_file() or bool(list_steps(path))
 
 
 def manifest_file_problems(step_dir: Path, manifest: dict) -> list[str]:

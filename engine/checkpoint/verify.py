@@ -21,7 +21,6 @@ still run, 2 and 3 cannot, and the result says so (``legacy``); see docs/securit
 from __future__ import annotations
 
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -29,11 +28,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from engine.checkpoint.digest import ALGORITHMS, MANIFEST_DIGEST_KEY, hash_file, manifest_digest
+from engine.checkpoint.layout import DCP_DATA_PATH_RE as _DATA_FILE
 from engine.checkpoint.layout import MANIFEST, STEP_RE
+from engine.checkpoint.layout import RNG_PATH_RE as _RNG_FILE
 from engine.errors import CheckpointError
-
-_DATA_FILE = re.compile(r"^state/__(\d+)_\d+\.distcp$")
-_RNG_FILE = re.compile(r"^rng/rank_(\d+)\.pt$")
 _SHOWN = 8
 
 

@@ -9,11 +9,11 @@ an incomplete one is reported with the reasons it is incomplete.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.checkpoint.layout import manifest_file_problems
+from engine.checkpoint.layout import (MANIFEST, RNG_FILE_RE, STEP_RE, TMP_STEP_RE,
+                                      manifest_file_problems, step_from_name)
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
 from engine.inspect.coverage import rl_coverage
@@ -25,12 +25,6 @@ from engine.inspect.report import (CheckpointReport, FileInfo, ObjectInfo, RunRe
 from engine.inspect.safe_unpickle import read_torch_archive
 from engine.inspect.torch_save import entries
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-TMP_STEP_DIR = re.compile(r"^\.tmp-step_(\d+)$")
-# Left behind by the writer: a same-named incomplete dir moved aside, a prune in progress.
-ASIDE_DIR = re.compile(r"^\.(?:stale-step_(\d+)-\d+|deleting-step_(\d+))$")
-MANIFEST = "manifest.json"
-RNG_FILE = re.compile(r"^rank_(\d+)\.pt$")
 
 
 def is_rl_step(path: Path) -> bool:
@@ -42,11 +36,11 @@ def is_rl_step(path: Path) -> bool:
         try:
             return read_json(m, what=MANIFEST).get("format") == "rl-checkpoint"
         except (CheckpointError, AttributeError):
-            return bool(STEP_DIR.match(path.name) or TMP_STEP_DIR.match(path.name))
+            return bool(STEP_RE.match(path.name) or TMP_STEP_RE.match(path.name))
     return (path / "state").is_dir() and ((path / "trainer.json").exists()
                                           or (path / "rng").is_dir()
-                                          or bool(STEP_DIR.match(path.name)
-                                                  or TMP_STEP_DIR.match(path.name)))
+                                          or bool(STEP_RE.match(path.name)
+                                                  or TMP_STEP_RE.match(path.name)))
 
 
 def is_rl_run(path: Path) -> bool:
@@ -60,7 +54,7 @@ def is_rl_run(path: Path) -> bool:
                 return True
         except (CheckpointError, AttributeError):
             pass
-    return any(STEP_DIR.match(p.name) and is_rl_step(p) for p in path.iterdir())
+    return any(STEP_RE.match(p.name) and is_rl_step(p) for p in path.iterdir())
 
 
 def _run_root_of(step_dir: Path) -> Optional[Path]:
@@ -68,13 +62,6 @@ def _run_root_of(step_dir: Path) -> Optional[Path]:
     if (parent / "run.json").is_file() or (parent / "config.yaml").is_file():
         return parent
     return None
-
-
-def _step_from_name(name: str) -> Optional[int]:
-    m = STEP_DIR.match(name) or TMP_STEP_DIR.match(name) or ASIDE_DIR.match(name)
-    if not m:
-        return None
-    return int(next(g for g in m.groups() if g is not None))
 
 
 def verify_rl_step(path: Path, manifest: Optional[dict], shown: str) -> dict:
@@ -111,7 +98,7 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
     if not complete:
         why = ("no manifest.json: the save was interrupted, or the directory was copied "
                "by hand; rl resume never chooses it")
-        if TMP_STEP_DIR.match(path.name):
+        if TMP_STEP_RE.match(path.name):
             why = "a save in progress (.tmp-step_N) or abandoned; the next save removes it"
         rep.incomplete_reasons.append(why)
     problems: list[str] = []
@@ -159,7 +146,7 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
     rng_ranks: list[int] = []
     if rng_dir.is_dir():
         for f in sorted(rng_dir.iterdir(), key=lambda p: p.name):
-            m = RNG_FILE.match(f.name)
+            m = RNG_FILE_RE.match(f.name)
             if not m:
                 continue
             if not f.is_file() or f.is_symlink():
@@ -210,7 +197,7 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
     # facts
     m = manifest or {}
     rep.step = _first_int(m.get("step"), trainer.get("step") if isinstance(trainer, dict) else None,
-                          _step_from_name(path.name))
+                          step_from_name(path.name))
     rep.world_size = _first_int(m.get("world_size"), len(rng_ranks) or None)
     if isinstance(m.get("parallel"), dict):
         rep.layout.update(m["parallel"])
@@ -309,15 +296,15 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None, verify: bool = 
         except CheckpointError as e:
             run.notes.append(e.message)
 
-    for d in sorted(path.iterdir(), key=lambda p: (_step_from_name(p.name) or -1, p.name)):
+    for d in sorted(path.iterdir(), key=lambda p: (step_from_name(p.name) or -1, p.name)):
         if not d.is_dir():
             continue
-        step = _step_from_name(d.name)
+        step = step_from_name(d.name)
         if step is None:
             continue
         size, count = dir_size(d)
         info = StepInfo(name=d.name, step=step, complete=False, bytes=size, files=count)
-        if TMP_STEP_DIR.match(d.name):
+        if TMP_STEP_RE.match(d.name):
             info.reason = "save in progress or abandoned (never chosen; the next save removes it)"
         elif d.name.startswith(".stale-"):
             info.reason = "an incomplete step dir moved aside by a later save (safe to delete)"
@@ -361,7 +348,7 @@ def _verify_run(path: Path, run: RunReport) -> None:
 
     bad = []
     for info in run.steps:
-        if not info.complete or not STEP_DIR.match(info.name):
+        if not info.complete or not STEP_RE.match(info.name):
             continue
         try:
             m = read_json(path / info.name / MANIFEST, what=f"{info.name}/{MANIFEST}")

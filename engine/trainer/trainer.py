@@ -21,7 +21,7 @@ from engine.algorithms.dynamic_sampling import Rollout
 from engine.algorithms.estimators import compute_advantages
 from engine.batch import SequenceBatch
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
-from engine.checkpoint.load import truncate_jsonl
+from engine.checkpoint.run_files import truncate_jsonl
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.rewards.compute import RewardError, samples_of
@@ -37,7 +37,7 @@ from engine.trainer.setup import RunInputs
 def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
           on_event: Callable[[object], None] = lambda e: None, resume=None,
           env_refs: dict | None = None) -> RunSummary:
-    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.load.ResumePlan).
+    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.plan.ResumePlan).
 
     Every event goes to ``on_event`` (the CLI) and, for what is logged, to the configured
     loggers (engine/tracking/): metrics.jsonl, samples.jsonl, TensorBoard, wandb, MLflow.

@@ -217,7 +217,7 @@ class RankWorker:
                 "lora": self.engine.lora_reference}
 
     def load(self, step_dir: str, plan: dict) -> dict:
-        from engine.checkpoint.load import load_rank_state
+        from engine.checkpoint.restore import load_rank_state
 
         out = load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
         self._weights_stale = not self.sampler.reads_live_model

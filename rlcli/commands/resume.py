@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
         from rlcli.render.resume import resume_table
         from rlcli.run_render import run_and_render
 
-        from engine.checkpoint.load import plan_resume
+        from engine.checkpoint.plan import plan_resume
 
         plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial,
                            verify=not no_verify)

@@ -9,7 +9,7 @@ from rich.text import Text
 
 
 def _names(names: list[str], limit: int = 12) -> str:
-    from engine.checkpoint.load import group_names
+    from engine.checkpoint.optimizer_entries import group_names
 
     return "\n".join(group_names(names, limit))
 

@@ -1,0 +1,82 @@
+"""Which checkpoint a path means: a run root -> its latest complete step_N (derived from the
+disk, never a pointer file); a step_N -> that one. Refuses incomplete and temporary dirs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.checkpoint.layout import MANIFEST, STEP_RE, TMP_PREFIX, StepDir, complete_steps, list_steps
+from engine.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Located:
+    run_root: Path
+    step: StepDir
+    skipped: list[str]          # newer directories that are not complete checkpoints
+    later: list[str]            # newer *complete* checkpoints (only when a step_N was named)
+
+
+def find_checkpoint(path: Path) -> Located:
+    """A run root -> its latest complete step_N (derived from disk); a step_N -> that one."""
+    path = Path(path)
+    shown = str(path)
+    if not path.exists():
+        raise CheckpointError(f"{shown} does not exist. Pass a run directory (checkpoint.dir of a run, e.g. "
+                              f"`rl resume ckpt/`) or one of its step_N directories.", title="no checkpoint")
+    if not path.is_dir():
+        raise CheckpointError(f"{shown} is a file. Pass a run directory (e.g. `rl resume ckpt/`) or one of its "
+                              f"step_N directories.", title="no checkpoint")
+    path = path.resolve()
+    if path.name.startswith(TMP_PREFIX):
+        run_root = path.parent
+        latest = latest_hint(run_root)
+        raise CheckpointError(f"{shown} is a save that never finished (.tmp-step_N directories are never "
+                              f"resumed).{latest}", title="incomplete checkpoint")
+    if STEP_RE.match(path.name):
+        run_root = path.parent
+        step = StepDir(path, int(STEP_RE.match(path.name).group(1)))
+        if not step.complete:
+            raise CheckpointError(f"{shown} is incomplete: it has no {MANIFEST} (the save did not finish, or the "
+                                  f"directory was copied partially).{latest_hint(run_root)}",
+                                  title="incomplete checkpoint")
+        later = [s.path.name for s in complete_steps(run_root) if s.step > step.step]
+        skipped = [s.path.name for s in list_steps(run_root) if s.step > step.step and not s.complete]
+        return Located(run_root, step, skipped, later)
+    if path.name == "state" and STEP_RE.match(path.parent.name):
+        raise CheckpointError(f"{shown} is the DCP directory inside a checkpoint; pass the step directory "
+                              f"itself: `rl resume {path.parent}`.", title="no checkpoint")
+    steps = list_steps(path)
+    tmps = sorted(p.name for p in path.glob(TMP_PREFIX + "*"))
+    if not steps:
+        if (path / "run.json").is_file():
+            interrupted = f" An interrupted save ({', '.join(tmps)}) is never resumed." if tmps else ""
+            raise CheckpointError(
+                f"{shown} holds a run that has not written a checkpoint yet (it saves every checkpoint.save_freq "
+                f"steps).{interrupted} Nothing can be resumed: start it again with `rl train ... "
+                f"checkpoint.dir={shown} checkpoint.overwrite=true`.", title="no checkpoint")
+        raise CheckpointError(f"{shown} is not an rl run directory (no run.json, no step_N/ checkpoints). Pass the "
+                              f"checkpoint.dir of a run, e.g. `rl resume ckpt/`.", title="no checkpoint")
+    done = [s for s in steps if s.complete]
+    if not done:
+        names = ", ".join(s.path.name for s in steps)
+        raise CheckpointError(
+            f"{shown} holds only incomplete checkpoints ({names}: no {MANIFEST}; their saves did not finish). "
+            f"None can be resumed safely. Start the run again with `rl train ... checkpoint.dir={shown} "
+            f"checkpoint.overwrite=true`.", title="incomplete checkpoint")
+    chosen = done[-1]
+    skipped = [s.path.name for s in steps if s.step > chosen.step] + tmps
+    return Located(path, chosen, skipped, [])
+
+
+def latest_hint(run_root: Path) -> str:
+    done = complete_steps(run_root)
+    if not done:
+        return " There is no complete checkpoint next to it."
+    return f" The latest complete checkpoint there is {done[-1].path.name}: `rl resume {done[-1].path}`."
+
+
+def earlier_hint(root: Path, step: StepDir) -> str:
+    earlier = [s for s in complete_steps(root) if s.step < step.step]
+    return f" Earlier: `rl resume {earlier[-1].path}`." if earlier else ""
