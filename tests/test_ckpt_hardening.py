@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 import zipfile
 from pathlib import Path
 
@@ -87,11 +86,9 @@ def test_deep_nesting_and_huge_allocations_are_refused():
 def test_devices_and_fifos_are_refused_without_reading(tmp_path):
     fifo = tmp_path / "pipe.pt"
     os.mkfifo(fifo)
-    for target in ("/dev/zero", str(fifo)):
-        t0 = time.monotonic()
+    for target in ("/dev/zero", str(fifo)):  # a read would never end (or block): refused unopened
         r = cli("inspect-ckpt", target)
         assert r.exit_code == 2 and "not a checkpoint file" in " ".join(r.output.split()), r.output
-        assert time.monotonic() - t0 < 60  # a hang would be killed by the suite's timeout anyway
     r = cli("resume", "/dev/zero")
     assert r.exit_code == 2
 
