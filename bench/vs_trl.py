@@ -171,7 +171,9 @@ def run_rl(work: Path, model_dir: Path, shape: str, steps: int, extra: list[str]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"wall": wall, "step_s": [r["step_time_s"] for r in rows],
             "gen_tokens": [r["response_len_mean"] * P * G for r in rows],
-            "reward": [r["reward_mean"] for r in rows]}
+            "reward": [r["reward_mean"] for r in rows],
+            "rollout_s": [r["timing"].get("rollout", 0.0) for r in rows],
+            "update_s": [r["timing"].get("update", 0.0) for r in rows]}
 
 
 def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int, omp_default: bool) -> dict:
@@ -241,7 +243,9 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
 def summarise(runs: list[dict], warmup: int) -> dict:
     per_proc = [statistics.median(r["step_s"][warmup:]) for r in runs]
     gen = [statistics.median(r["gen_tokens"][warmup:]) for r in runs]
-    return {"step_s": statistics.median(per_proc), "step_s_runs": per_proc, "gen_tokens": statistics.median(gen),
+    parts = {k: statistics.median(statistics.median(r[k][warmup:]) for r in runs)
+             for k in ("rollout_s", "update_s") if k in runs[0]}
+    return {**parts, "step_s": statistics.median(per_proc), "step_s_runs": per_proc, "gen_tokens": statistics.median(gen),
             "wall": statistics.median(r["wall"] for r in runs), "loads": [r["load"] for r in runs]}
 
 
@@ -309,6 +313,8 @@ def main() -> None:
               f"{x['gen_tok_s']['trl']:8.0f}|{x['gen_tok_s']['rl']:<8.0f} "
               f"{x['update_tok_s']['trl']:8.0f}|{x['update_tok_s']['rl']:<8.0f} {x['flop_bound_s']:8.3f} "
               f"{x['rl_vs_bound']:7.2f}x {x['trl_vs_bound']:8.2f}x {min(loads):5.1f}-{max(loads):<5.1f}")
+        print(f"        rl: rollout {x['rl'].get('rollout_s', 0):.3f} s + update {x['rl'].get('update_s', 0):.3f} s "
+              f"per step; process wall TRL {x['trl']['wall']:.1f} s, rl {x['rl']['wall']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": threads, "args": vars(args), "rows": out}, indent=1))
 
