@@ -43,3 +43,28 @@ def configure_torch_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or inter-op work already ran in this process
         pass
+
+
+def busy_cpus() -> int:
+    """Runnable tasks on the machine right now other than the caller (/proc/loadavg's
+    instantaneous running count, minus this thread); 0 where it cannot be read."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, running - 1)
+
+
+def adapt_threads(max_threads: int) -> int:
+    """Use at most ``max_threads`` intra-op threads, fewer when other tasks hold the cores:
+    intra-op threads meet at a barrier after every op, so one thread that the scheduler parks
+    behind another process stalls all of them; a thread count that fits the free cores does not.
+    Returns the count set."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    n = max(1, min(max_threads, cores - busy_cpus()))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n

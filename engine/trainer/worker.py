@@ -14,7 +14,7 @@ import torch
 from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
-from engine.threads import configure_torch_threads
+from engine.threads import adapt_threads, configure_torch_threads
 
 
 def rss_peak_bytes() -> int:
@@ -31,6 +31,8 @@ class RankWorker:
         self.model_path = model_path
         self.vocab = vocab
         configure_torch_threads(threads)
+        # auto thread count (trainer.threads_per_rank=0): follow the free cores each phase
+        self._max_threads = threads if self.cfg.trainer.threads_per_rank == 0 else 0
         torch.use_deterministic_algorithms(False)
 
     # ---- setup --------------------------------------------------------------------------
@@ -129,6 +131,8 @@ class RankWorker:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
         t0 = time.perf_counter()
+        if self._max_threads:
+            adapt_threads(self._max_threads)
         if self._weights_stale:
             self.sync_weights()
         with self.tracker.phase("rollout", self.step) as t:
@@ -175,6 +179,8 @@ class RankWorker:
         from engine.algorithms.policy_loss import PolicyLoss
 
         t0 = time.perf_counter()
+        if self._max_threads:
+            adapt_threads(self._max_threads)
         with self.tracker.phase("update", self.step):
             stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
         self._weights_stale = not self.sampler.reads_live_model
