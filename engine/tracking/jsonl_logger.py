@@ -10,6 +10,24 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append one line in one write; if the write fails (disk full), cut the file back to where
+    it was, so it never ends in half a row (every row file of a run is written this way)."""
+    data = (line + "\n").encode()
+    with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
+        start = f.tell()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:  # disk full: cut back to where the file was, never half a row
+            try:
+                f.truncate(start)
+            except OSError:
+                pass
+            raise
+
+
 class JsonlLogger:
     name = "jsonl"
 
@@ -17,16 +35,4 @@ class JsonlLogger:
         self.path = Path(run_dir) / METRICS_FILE
 
     def write_step(self, row: dict) -> None:
-        data = (json.dumps(row, default=str) + "\n").encode()
-        with open(self.path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
-            start = f.tell()
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[f.write(view):]
-            except OSError:  # disk full: cut back to where the file was, never half a row
-                try:
-                    f.truncate(start)
-                except OSError:
-                    pass
-                raise
+        append_line(self.path, json.dumps(row, default=str))

@@ -14,24 +14,7 @@ from engine.checkpoint.layout import (RUN_FORMAT, TMP_PREFIX, VERSION, latest_co
 from engine.config.schema import RunConfig
 from engine.env_info import package_versions
 from engine.errors import UserError
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append one line in one write; if the write fails (disk full), cut the file back to where
-    it was, so it never ends in half a row."""
-    data = (line + "\n").encode()
-    with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
-        start = f.tell()
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[f.write(view):]
-        except OSError:  # disk full: cut back to where the file was, never half a row
-            try:
-                f.truncate(start)
-            except OSError:
-                pass
-            raise
+from engine.tracking.jsonl_logger import append_line
 
 
 def write_text_atomic(path: Path, text: str) -> None:
