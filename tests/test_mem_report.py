@@ -189,7 +189,9 @@ def test_mem_report_reads_a_real_training_run(tmp_path):
     assert rep["fp8"]["offloads"] == 2 and rep["fp8"]["workspaces_cleared"] == 0
     assert len(rep["estimate"]["offload_matrix"]) == 6
     kv = _rows(rep, "rollout")["kv_cache"]
-    assert kv["diff_pct"] == 0.0                               # the estimate's length came from it
+    # the estimate holds every row at the longest length; the sampler drops finished rows, so the
+    # measured peak can only be smaller (equal when no row ends early)
+    assert kv["measured"] <= kv["estimate"] and kv["diff_pct"] <= 0.0, kv
 
     step = json.loads(mem_report(str(d / "step_2"), "--json").stdout)
     assert step["comparison"] == rep["comparison"]

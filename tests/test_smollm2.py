@@ -123,7 +123,7 @@ def test_tiny_preset_and_explicit_path(tmp_path):
     assert resolve_model_path(ModelConfig()) == ""
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(ModelConfig(path=str(tmp_path), preset="smollm2-135m")) == str(tmp_path)
-    with pytest.raises(ConfigError, match="not a Hugging Face model directory"):
+    with pytest.raises(ConfigError, match="does not exist"):
         resolve_model_path(ModelConfig(path=str(tmp_path / "nowhere")))
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def test_a_failing_logger_is_reported_as_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://x")
     cfg = build_run_config({"trainer": {"loggers": ["jsonl", "mlflow"]}})
     t = Tracking(cfg, tmp_path)
-    t._thread.join(120)  # opening failed in the logger thread
+    deadline = time.monotonic() + 120  # opening fails in the logger thread, which then drains until close
+    while t._error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     with pytest.raises(UserError) as e:
         t.on_event(Validation(0, None, 0.5))
     assert "mlflow logger failed" in e.value.message

@@ -71,8 +71,8 @@ def test_right_padded_layout_equals_torch_sampler():
     R = max(len(r) for r in resp)
     t_resp = torch.tensor([r + [PAD] * (R - len(r)) for r in resp])
     t_lp = torch.tensor([x + [0.0] * (R - len(x)) for x in lps])
-    alive = torch.tensor([[True] * len(r) + [False] * (R - len(r)) for r in resp])
-    ref = TorchSampler(_cfg([]).rollout, PAD, EOS, torch.device("cpu"))._to_right_padded(rows, t_resp, t_lp, alive)
+    lengths = torch.tensor([len(r) for r in resp])
+    ref = TorchSampler(_cfg([]).rollout, PAD, EOS, torch.device("cpu"))._to_right_padded(rows, t_resp, t_lp, lengths)
     for name in ("input_ids", "attention_mask", "response_mask", "prompt_lengths", "rollout_log_probs"):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 

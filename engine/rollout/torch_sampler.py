@@ -130,6 +130,8 @@ class TorchSampler(Sampler):
                         break
                     live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
                     attn = attn[keep_rows]
+                    # the cache is largest just before finished rows leave it
+                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
                     cache.batch_select_indices(keep_rows)
                 attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
             else:
