@@ -30,10 +30,12 @@ def fails_at_step_3(prompt, response, answer, **row):
 
 def hangs_once(prompt, response, answer, **row):
     marker = os.path.join(os.path.dirname(__file__), "hung.marker")
-    if not os.path.exists(marker):
-        open(marker, "w").close()
-        import time
-        time.sleep(600)
+    try:  # atomic: with two workers calling at once, exactly one of them hangs
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return 1.0
+    import time
+    time.sleep(600)
     return 1.0
 '''
 
