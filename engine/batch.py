@@ -25,6 +25,11 @@ class SequenceBatch:
     advantages       [B, T] float (set by the algorithm)
     old_log_probs / ref_log_probs [B, T] float (set before the update)
     values / returns [B, T] float (PPO: the critic's values and GAE targets)
+    routed_experts   [B, T, L, k] int16 (algorithm.router_replay): the rollout's top-k experts per
+                     token and routed layer (engine/moe/routing_records.py); padding holds no record
+
+    Tensors with more than two dims are per-token along dim 1 like the others; padding them
+    fills ``pad_fill(name)``.
     """
 
     input_ids: torch.Tensor
@@ -37,6 +42,7 @@ class SequenceBatch:
     ref_log_probs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None      # PPO: the critic's V(tokens < t) before the update
     returns: Optional[torch.Tensor] = None     # PPO: GAE value targets
+    routed_experts: Optional[torch.Tensor] = None  # MoE routing replay: [B, T, L, k] int16
     extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -72,7 +78,7 @@ class SequenceBatch:
         t = int(self.attention_mask.sum(-1).max())
         for name in self.tensor_fields():
             v = getattr(self, name)
-            if v.dim() == 2 and v.shape[1] > t:
+            if v.dim() >= 2 and v.shape[1] > t:
                 setattr(self, name, v[:, :t].contiguous())
         return self
 
@@ -86,9 +92,27 @@ class SequenceBatch:
             parts = []
             for b in batches:
                 v = getattr(b, name)
-                if v.dim() == 2 and v.shape[1] < t:
-                    pad_value = pad_token_id if name == "input_ids" else 0
-                    v = torch.nn.functional.pad(v, (0, t - v.shape[1]), value=pad_value)
+                if v.dim() >= 2 and v.shape[1] < t:
+                    v = pad_tokens(v, t, pad_fill(name, pad_token_id))
                 parts.append(v)
             out[name] = torch.cat(parts, 0)
         return SequenceBatch(**out, extras=dict(batches[0].extras))
+
+
+def pad_fill(name: str, pad_token_id: int = 0) -> int:
+    """What padding holds in field ``name``: the pad token (input_ids), no record (routed_experts), else 0."""
+    if name == "input_ids":
+        return pad_token_id
+    if name == "routed_experts":
+        from engine.moe.routing_records import NO_RECORD
+
+        return NO_RECORD
+    return 0
+
+
+def pad_tokens(v: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """Right-pad the token dim (dim 1) of a [B, T, ...] tensor to ``width`` with ``fill``."""
+    if v.shape[1] >= width:
+        return v
+    extra = v.new_full((v.shape[0], width - v.shape[1]) + tuple(v.shape[2:]), fill)
+    return torch.cat([v, extra], 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "gpt2", "gpt_neox", "mistral")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def char_tokenizer():
@@ -17,7 +18,7 @@ def char_tokenizer():
     return CharTokenizer(make_task(TaskConfig(), 0).alphabet)
 
 
-def hf_config(arch: str, vocab_size: int, layers: int = 2):
+def hf_config(arch: str, vocab_size: int, layers: int = 2, experts: int = 4, top_k: int = 2):
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, bos_token_id=None)
@@ -37,17 +38,27 @@ def hf_config(arch: str, vocab_size: int, layers: int = 2):
     if arch == "gpt_neox":
         return tf.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                 num_attention_heads=4, max_position_embeddings=128, **common)
+    moe = dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=128, num_experts_per_tok=top_k, **common)
+    if arch == "mixtral":  # Mixtral: every layer routed, gate weights renormalised
+        return tf.MixtralConfig(intermediate_size=32, num_local_experts=experts, sliding_window=None, **moe)
+    if arch == "qwen2_moe":  # Qwen2-MoE: routed experts plus a gated shared expert
+        return tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                 num_experts=experts, norm_topk_prob=False, use_sliding_window=False, **moe)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=experts,
+                                 norm_topk_prob=True, head_dim=8, **moe)
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, out: Path, seed: int = 0, layers: int = 2) -> Path:
+def save_tiny_model(arch: str, out: Path, seed: int = 0, layers: int = 2, **moe) -> Path:
     """config.json + model.safetensors + tokenizer files of a tiny ``arch`` model in ``out``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tok = char_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, tok.vocab_size, layers))
+    model = AutoModelForCausalLM.from_config(hf_config(arch, tok.vocab_size, layers, **moe))
     out = Path(out)
     model.save_pretrained(out)
     tok.save_pretrained(out)

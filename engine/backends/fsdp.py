@@ -49,6 +49,7 @@ class FSDPEngine(TrainEngine):
         self.share_prompts = True
         self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
         self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
+        self.router_replay = None  # engine.moe.router_replay.RouterReplay, set by build()
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -86,6 +87,11 @@ class FSDPEngine(TrainEngine):
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)
         self.model, self.ref_model = model, ref
+        self.router_replay = None  # engine.moe.router_replay.RouterReplay (algorithm.router_replay on)
+        if c.algorithm.router_replay != "off":
+            from engine.moe.router_replay import attach
+
+            self.router_replay = attach(model)  # the rollout records through the same hooks
         from engine.memory.activation_offload import make_activation_offloader
 
         names = {id(m): n for n, m in model.named_modules()}
@@ -105,7 +111,20 @@ class FSDPEngine(TrainEngine):
     def _share_prompts(self) -> bool:
         """The grouped forward runs the model twice per micro-batch: not with a compiled forward
         (it would bypass it) or activation offload (its hooks expect one forward)."""
-        return self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
+        return (self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
+                and not self._replays())  # replay binds records to one [b, T] forward
+
+    def _replays(self) -> bool:
+        return self.router_replay is not None and self.cfg.algorithm.router_replay == "replay"
+
+    def _replay(self, mb: SequenceBatch, model=None):
+        """Replay ``mb``'s routing records in the policy's forwards (and backward's recomputation)
+        inside the context, when algorithm.router_replay=replay; else nothing."""
+        from contextlib import nullcontext
+
+        if not self._replays() or mb.routed_experts is None or (model is not None and model is not self.model):
+            return nullcontext()
+        return self.router_replay.replaying(mb.routed_experts, device=self.device)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -168,7 +187,8 @@ class FSDPEngine(TrainEngine):
         out = torch.zeros(B, T)
         ent_out = torch.zeros(B, T) if with_entropy else None
         for mb in self._micro_batches(batch, observe=False):
-            logits = self._forward_logits(model, mb.batch)
+            with self._replay(mb.batch, model):
+                logits = self._forward_logits(model, mb.batch)
             lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
                                       with_entropy)
             k, real = mb.num_rows, mb.indices >= 0  # rows past k are bucket padding; -1 = zero-weight twin
@@ -177,6 +197,42 @@ class FSDPEngine(TrainEngine):
             if with_entropy:
                 ent_out[mb.indices[real], :t] = ent[:k][real, :t].float().cpu()
         return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
+
+    @torch.no_grad()
+    def routing_report(self, batch: SequenceBatch) -> dict:
+        """Partial sums of the routing metrics (engine/moe/routing_metrics.py) on this rank's
+        rows: the policy's forward once with its own routing (captured and compared to the
+        rollout's records) and once replaying the records; log-probs of both against the
+        rollout's."""
+        from engine.moe.routing_metrics import RoutingSums, add_routing, gap_sums
+
+        sums = RoutingSums()
+        if self.router_replay is None or batch.routed_experts is None:
+            return sums.to_dict()
+        self.model.eval()
+        rr = self.router_replay
+        for mb in self._micro_batches(batch, observe=False):
+            b = mb.batch
+            ids = b.input_ids.to(self.device)
+            real = mb.indices >= 0
+            k = mb.num_rows
+            with rr.recording():
+                lp_own, _ = token_log_probs(self._forward_logits(self.model, b), ids, self.cfg.rollout.temperature)
+                own = rr.take()
+            with rr.replaying(b.routed_experts, device=self.device):
+                lp_rep, _ = token_log_probs(self._forward_logits(self.model, b), ids, self.cfg.rollout.temperature)
+            L, kk = rr.layout.layers, rr.layout.top_k
+            own = own.reshape(b.input_ids.shape + (L, kk))[:k][real]
+            add_routing(sums, own.reshape(-1, L, kk), b.routed_experts[:k][real].reshape(-1, L, kk))
+            mask, ro = b.response_mask[:k][real], b.rollout_log_probs[:k][real]
+            n, a, k3 = gap_sums(lp_own[:k][real].float().cpu(), ro, mask)
+            _, a2, k32 = gap_sums(lp_rep[:k][real].float().cpu(), ro, mask)
+            sums.response_tokens += n
+            sums.abs_gap_no_replay += a
+            sums.k3_no_replay += k3
+            sums.abs_gap_replay += a2
+            sums.k3_replay += k32
+        return sums.to_dict()
 
     def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
         """One optimizer step on this rank's share of a mini-batch."""
@@ -189,24 +245,25 @@ class FSDPEngine(TrainEngine):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             # GRPO groups: each distinct prompt computed once (engine/batching/prompt_groups.py)
             groups = group_prompts(mb.batch, self.pad_token_id) if self._share_prompts() else None
-            with self._measure("activations") as meter:
-                if self.activation_offload is not None:  # what stays on the device is counted there
-                    self.activation_offload.meter = meter
-                logits = (grouped_logits(self.model, groups, self.device) if groups is not None
-                          else self._forward_logits(self.model, mb.batch))
-            lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
-            lp_fn = response_log_probs if groups is not None else token_log_probs
-            ids = lp_batch.input_ids.to(self.device)
-            with self._measure("logits") as meter:
-                if meter is not None:
-                    meter.add(logits)
-                lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
-            if ent is None:  # entropy is only a metric here: compute it without keeping a graph
-                with torch.no_grad():
-                    _, ent = lp_fn(logits.detach(), ids, self.cfg.rollout.temperature, with_entropy=True)
-            dev_mb = lp_batch.to(self.device)
-            loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
-            loss.backward()
+            with self._replay(mb.batch):  # through backward: checkpointing recomputes with the same experts
+                with self._measure("activations") as meter:
+                    if self.activation_offload is not None:  # what stays on the device is counted there
+                        self.activation_offload.meter = meter
+                    logits = (grouped_logits(self.model, groups, self.device) if groups is not None
+                              else self._forward_logits(self.model, mb.batch))
+                lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
+                lp_fn = response_log_probs if groups is not None else token_log_probs
+                ids = lp_batch.input_ids.to(self.device)
+                with self._measure("logits") as meter:
+                    if meter is not None:
+                        meter.add(logits)
+                    lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
+                if ent is None:  # entropy is only a metric here: compute it without keeping a graph
+                    with torch.no_grad():
+                        _, ent = lp_fn(logits.detach(), ids, self.cfg.rollout.temperature, with_entropy=True)
+                dev_mb = lp_batch.to(self.device)
+                loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
+                loss.backward()
             self._end_activation_offload()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from engine.batch import SequenceBatch
+from engine.batch import SequenceBatch, pad_fill, pad_tokens
 from engine.batching.buckets import BucketPolicy, make_bucket_policy
 
 LAYOUTS = ("padded", "packed")
@@ -47,6 +46,8 @@ class PackedInputs:
                               the pad segment if there is one), as flash-attn varlen expects
     seq_lengths               [b] long, real lengths, in the row order of ``MicroBatch.batch``
     num_pad                   tokens in the pad segment
+    routed_experts            [1, N, L, k] int16 routing records packed like input_ids (the pad
+                              segment holds no record), when the batch carries them
     """
 
     input_ids: torch.Tensor
@@ -58,6 +59,7 @@ class PackedInputs:
     _cols: torch.Tensor
     _flat: torch.Tensor
     _width: int
+    routed_experts: Optional[torch.Tensor] = None
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """[1, N, ...] or [N, ...] per-token values -> [b, T, ...] right-padded with zeros.
@@ -159,13 +161,14 @@ def _group_packed(lengths: list[int], order: list[int], engine_cfg, policy: Buck
 
 
 def _pad_columns(batch: SequenceBatch, width: int, rows: int, pad_token_id: int) -> SequenceBatch:
-    """Right-pad every [b, T] tensor to [rows, width]; new entries are pad_token_id (input_ids) or 0."""
+    """Right-pad every [b, T, ...] tensor to [rows, width, ...]; new entries are pad_token_id
+    (input_ids), no record (routed_experts) or 0."""
     out = {}
     for name in batch.tensor_fields():
         v = getattr(batch, name)
-        fill = pad_token_id if name == "input_ids" else 0
+        fill = pad_fill(name, pad_token_id)
         if v.dim() >= 2:
-            v = F.pad(v, (0, width - v.shape[1]), value=fill) if v.shape[1] < width else v
+            v = pad_tokens(v, width, fill)
         if v.shape[0] < rows:
             extra = v.new_full((rows - v.shape[0],) + tuple(v.shape[1:]), fill)
             v = torch.cat([v, extra], 0)
@@ -185,6 +188,12 @@ def _pack(batch: SequenceBatch, lengths: list[int], total: int, pad_token_id: in
     if num_pad:
         ids.append(torch.full((num_pad,), pad_token_id, dtype=batch.input_ids.dtype))
         pos.append(torch.arange(num_pad))
+    routing = None
+    if batch.routed_experts is not None:
+        parts = [batch.routed_experts[r, :n] for r, n in enumerate(lengths)]
+        if num_pad:
+            parts.append(parts[0].new_full((num_pad,) + tuple(parts[0].shape[1:]), pad_fill("routed_experts")))
+        routing = torch.cat(parts)[None]
     seg = list(lengths) + ([num_pad] if num_pad else [])
     cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg, dtype=torch.int32), 0)
@@ -192,7 +201,7 @@ def _pack(batch: SequenceBatch, lengths: list[int], total: int, pad_token_id: in
         input_ids=torch.cat(ids)[None], position_ids=torch.cat(pos)[None], cu_seqlens=cu,
         seq_lengths=torch.tensor(lengths, dtype=torch.long), num_pad=num_pad,
         _rows=torch.cat(rows), _cols=torch.cat(cols), _flat=torch.arange(real),
-        _width=int(batch.input_ids.shape[1]))
+        _width=int(batch.input_ids.shape[1]), routed_experts=routing)
 
 
 def split_micro_batches(batch: SequenceBatch, engine_cfg, policy: Optional[BucketPolicy] = None,

@@ -24,10 +24,15 @@ def _default(f):
     return None
 
 
+YAML11_BOOLS = {"y", "n", "yes", "no", "on", "off", "true", "false"}
+
+
 def _yaml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
+        if v.lower() in YAML11_BOOLS:  # unquoted, YAML reads these as booleans
+            return f'"{v}"'
         return '""' if v == "" else (v if v.replace("_", "").replace("-", "").isalnum() else f'"{v}"')
     if isinstance(v, list):
         return "[" + ", ".join(_yaml_value(x) for x in v) + "]"

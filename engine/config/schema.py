@@ -158,6 +158,9 @@ class AlgorithmConfig:
                                      "ramp the reward down by up to overlong_penalty_factor; 0 = off", min=0)
     overlong_penalty_factor: float = _f(1.0, "the largest overlong penalty (reached at rollout.max_new_tokens)",
                                         min=0.0)
+    router_replay: str = _f("off", "mixture-of-experts policies: record the rollout's top-k experts per token and "
+                                   "layer (record), and also make the trainer's forward use them (replay); "
+                                   "docs/moe.md", choices=["off", "record", "replay"])
 
 
 @dataclass

@@ -108,6 +108,8 @@ def coerce_value(key: str, f, value: Any) -> Any:
             v = float(v)
         allowed = "a number"
     elif tname == "str":
+        if isinstance(v, bool) and ("on" if v else "off") in meta.get("choices", ()):
+            v = "on" if v else "off"  # YAML 1.1 reads an unquoted off/on as a boolean
         ok = isinstance(v, str) or (v is None)
         v = "" if v is None else v
         allowed = "a string"
@@ -290,5 +292,16 @@ def check_cross_field(cfg: RunConfig) -> None:
             f"`engine.fp8=true` is not implemented for engine={e.name}: FP8 training runs through "
             f"Transformer-Engine layers, which only the megatron engine builds. Use `--engine megatron "
             f"engine.fp8=true` on an FP8-capable GPU, or drop engine.fp8.", title="invalid config value")
+    if cfg.algorithm.router_replay != "off":
+        if cfg.rollout.name != "torch":
+            raise ConfigError(
+                f"`algorithm.router_replay={cfg.algorithm.router_replay}` needs the rollout to record each "
+                f"token's experts, which only rollout=torch does (rollout={cfg.rollout.name} does not return "
+                f"routing). Use rollout=torch, or set algorithm.router_replay=off.", title="invalid config")
+        if e.name != "fsdp":
+            raise ConfigError(
+                f"`algorithm.router_replay={cfg.algorithm.router_replay}` replays routing in the fsdp engine "
+                f"only (engine={e.name}). Use --engine fsdp, or set algorithm.router_replay=off.",
+                title="invalid config")
     # whether this machine can run the config (CUDA, FP8 hardware) is checked where torch is
     # already loaded: engine.device.check_device_config, before a run starts

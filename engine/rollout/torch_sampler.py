@@ -15,6 +15,13 @@ reference the tests and ``bench/train_throughput.py --plain`` compare against):
 - sampling stays on the model's device: on an accelerator a device generator is seeded once per
   call from the rank's CPU generator, so no token makes a host round trip.
 
+Routing records (``record_routing=True``, algorithm.router_replay=record|replay on a
+mixture-of-experts model): every forward runs inside the model's RouterReplay.recording()
+(engine/moe/router_replay.py); the prefill's choices give each row its prompt tokens' records,
+each decode step's give the token it fed, and the batch carries them as ``routed_experts``
+[B, T, L, k] int16. A response's last token is never fed back (generation stops after sampling
+it), so it has no record; nor does padding.
+
 Log-probs are always those of the unmodified sampling distribution (``log_softmax(logits / T)``),
 so they equal what the trainer computes on the same tokens; ``rollout.ignore_eos`` only forbids
 EOS when sampling (fixed-length responses, like HF ``min_new_tokens`` / vLLM ``min_tokens``).
@@ -26,6 +33,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RolloutConfig
+from engine.moe.routing_records import empty_records
 from engine.rollout.base import Sampler
 
 
@@ -41,8 +49,9 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class TorchSampler(Sampler):
     def __init__(self, cfg: RolloutConfig, pad_token_id: int, eos_token_id: int, device: torch.device,
-                 fast: bool = True):
+                 fast: bool = True, record_routing: bool = False):
         self.cfg = cfg
+        self.record_routing = record_routing
         self.pad = pad_token_id
         self.eos = eos_token_id
         self.device = device
@@ -58,12 +67,14 @@ class TorchSampler(Sampler):
             chunk -= chunk % n
         gen = _device_generator(generator, self.device) if self.fast else generator
         self.last_kv_cache_bytes = 0
-        parts = [self._generate_chunk(model, rows[i:i + chunk], generator, gen, greedy)
-                 for i in range(0, len(rows), chunk)]
+        with _recording(model, self.record_routing) as recorder:
+            parts = [self._generate_chunk(model, rows[i:i + chunk], generator, gen, greedy, recorder)
+                     for i in range(0, len(rows), chunk)]
         return SequenceBatch.concat(parts, self.pad) if len(parts) > 1 else parts[0]
 
     # ---- one chunk of rows ----------------------------------------------------------------
-    def _generate_chunk(self, model, rows: list[list[int]], generator, dev_gen, greedy: bool) -> SequenceBatch:
+    def _generate_chunk(self, model, rows: list[list[int]], generator, dev_gen, greedy: bool,
+                        recorder=None) -> SequenceBatch:
         dev, B = self.device, len(rows)
         # distinct prompts (consecutive runs of the same prompt) and, per row, its prompt
         if self.fast:
@@ -86,6 +97,11 @@ class TorchSampler(Sampler):
         keep = {"logits_to_keep": 1} if self.fast and _accepts(model, "logits_to_keep") else {}
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep)
         cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+        prompt_rec = resp_rec = None
+        if recorder is not None:  # [u, P, L, k]: the prompt tokens' routing; responses' filled per step
+            prompt_rec = recorder.take(as_records=False).reshape(len(uniq), P, recorder.layout.layers, -1)
+            resp_rec = torch.full((B, self.cfg.max_new_tokens) + tuple(prompt_rec.shape[2:]), -1,
+                                  dtype=prompt_rec.dtype, device=dev)
         if len(uniq) != B:  # share the prompt's KV cache with its samples
             expand = torch.tensor(owner, device=dev)
             cache.batch_select_indices(expand)
@@ -145,12 +161,23 @@ class TorchSampler(Sampler):
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kwarg: cache})
             cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+            if recorder is not None:  # the routing of response token t, fed in this forward
+                resp_rec[live, t] = recorder.take(as_records=False)
             next_pos = next_pos + 1
         self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
         lengths = lengths.clamp(max=steps)
-        return self._to_right_padded(rows, tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu())
+        routing = None
+        if recorder is not None:
+            from engine.moe.routing_records import to_records
 
-    def _to_right_padded(self, rows, resp, resp_lp, lens_r) -> SequenceBatch:
+            routing = (to_records(prompt_rec), [P - len(r) for r in uniq], owner,
+                       to_records(resp_rec[:, :steps]))
+        return self._to_right_padded(rows, tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(),
+                                     routing=routing)
+
+    def _to_right_padded(self, rows, resp, resp_lp, lens_r, routing=None) -> SequenceBatch:
+        """``routing``: (prompt records [u, P, L, k] left-padded, left pad of each distinct prompt,
+        distinct prompt of each row, response records [B, steps, L, k]) or None."""
         B = len(rows)
         plen = torch.tensor([len(r) for r in rows])
         T = int((plen + lens_r).max())
@@ -164,8 +191,27 @@ class TorchSampler(Sampler):
             input_ids[i, :p] = torch.tensor(r)
             input_ids[i, p:p + n] = resp[i, :n]
             lp[i, p:p + n] = resp_lp[i, :n]
+        routed = None
+        if routing is not None:
+            prompt_rec, left_pad, owner, resp_rec = routing
+            routed = empty_records((B, T), prompt_rec.shape[2], prompt_rec.shape[3])
+            for i, r in enumerate(rows):
+                p, n, o = len(r), int(lens_r[i]), owner[i]
+                routed[i, :p] = prompt_rec[o, left_pad[o]:]
+                routed[i, p:p + n] = resp_rec[i, :n]
         return SequenceBatch(input_ids=input_ids, attention_mask=attn, response_mask=rmask,
-                             prompt_lengths=plen, rollout_log_probs=lp)
+                             prompt_lengths=plen, rollout_log_probs=lp, routed_experts=routed)
+
+
+def _recording(model, on: bool):
+    """The model's RouterReplay.recording() context (a null context when not recording)."""
+    from contextlib import nullcontext
+
+    if not on:
+        return nullcontext(None)
+    from engine.moe.router_replay import attach
+
+    return attach(model).recording()
 
 
 def _device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:

@@ -36,6 +36,10 @@ def resolve_model_path(cfg: RunConfig) -> str:
             from engine.backends.megatron.model import arch_from_hf_config
 
             arch_from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))  # raises ConfigError
+    if cfg.algorithm.router_replay != "off":
+        from engine.moe.routers import check_replay_model
+
+        check_replay_model(path, cfg.algorithm.router_replay)
     return path
 
 

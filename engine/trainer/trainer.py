@@ -197,6 +197,11 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     n_updates = cfg.algorithm.ppo_epochs * (cfg.data.train_batch_size // mini)
     if n_updates > 1:  # with one update per step, old == current policy exactly
         batch.old_log_probs = workers.log_probs(batch, ref=False)
+    routing = {}
+    if cfg.algorithm.router_replay != "off":  # MoE: rollout-vs-trainer routing and log-prob gap
+        from engine.moe.routing_metrics import RoutingSums, summarize
+
+        routing = summarize(RoutingSums(**workers.routing_report(batch)))
     timing["log_probs"] += time.perf_counter() - t
 
     # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each;
@@ -235,6 +240,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     algo.update({k: v for k, v in per_update.items() if k.startswith("value_")})
     if ppo:
         algo["policy_updated"] = update_policy
+    algo.update(routing)
     if sampling is not None:
         algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
     lengths = batch.response_mask.sum(-1)

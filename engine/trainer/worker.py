@@ -108,7 +108,8 @@ class RankWorker:
                                            self.rank, self.dp_size)
         from engine.rollout.torch_sampler import TorchSampler
 
-        return TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device)
+        return TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device,
+                            record_routing=self.cfg.algorithm.router_replay != "off")
 
     def _make_engine(self):
         c = self.cfg
@@ -174,6 +175,11 @@ class RankWorker:
         with self.tracker.phase("ref_log_probs" if ref else "old_log_probs", self.step):
             lp, _ = self.engine.compute_log_probs(batch, ref=ref)
         return lp
+
+    def routing_report(self, batch: SequenceBatch) -> dict:
+        """MoE routing metrics' partial sums on this rank's rows (algorithm.router_replay on)."""
+        with self.tracker.phase("old_log_probs", self.step):  # a log-prob pass too
+            return self.engine.routing_report(batch)
 
     def train_step(self, batch: SequenceBatch) -> dict:
         from engine.algorithms.policy_loss import PolicyLoss

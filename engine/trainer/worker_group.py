@@ -197,6 +197,19 @@ class WorkerGroup:
             full[s, :lp.shape[1]] = lp
         return full
 
+    def routing_report(self, batch: SequenceBatch) -> dict:
+        """MoE routing metrics (engine/moe/routing_metrics.py) over the whole batch: every
+        data-parallel leader's partial sums, added."""
+        from engine.moe.routing_metrics import RoutingSums
+
+        slices = shard_slices(len(batch), self.dp_size)
+        shards = [batch.select(s) for s in slices]
+        out = self._all("routing_report", self._dp_args(shards), "the routing metrics")
+        total = RoutingSums()
+        for d in range(self.dp_size):
+            total.add(RoutingSums(**out[self.dp_leaders[d]]))
+        return total.to_dict()
+
     def train_step(self, batch: SequenceBatch):
         """One optimizer step on every rank; returns the combined engine.trainer.rank_results.UpdateResult."""
         from engine.trainer.rank_results import combine_update

@@ -1,0 +1,136 @@
+"""Record and replay the expert choices of a mixture-of-experts model's routers.
+
+One forward hook per router (engine/moe/routers.py). Outside ``recording``/``replaying`` the
+hooks do nothing. Inside:
+
+- ``recording()``: each router's own top-k indices are kept; ``take()`` returns them as one
+  ``[tokens, layers, k]`` int16 record for the forward that just ran (tokens in the order the
+  model flattened them: row-major over its ``[b, s]`` input).
+- ``replaying(records)``: ``records`` is ``[b, s, layers, k]`` (or ``[tokens, layers, k]``)
+  matching the forward's input. Where a token has a record (engine/moe/routing_records.py) the
+  router's top-k indices are replaced by the recorded ones and the gate weights recomputed from
+  the router's own logits at those indices, exactly as the router computes them (softmax in
+  fp32, gather, renormalise when the router does, cast to the router's output dtype), so the
+  router still receives gradients; tokens without a record (padding) keep the router's choice.
+  The router's own choice is captured as well, for the routing-mismatch metrics.
+
+The records stay bound until the context exits, so gradient checkpointing's recomputation in
+backward replays the same experts: keep the backward inside the context.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from engine.moe.routers import MoELayout, find_routers, moe_layout
+from engine.moe.routing_records import has_record, to_records
+
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, RouterReplay]" = weakref.WeakKeyDictionary()
+
+
+def gate_weights(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The router's gate weights for experts ``indices`` [N, k], from its logits [N, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    w = probs.gather(-1, indices)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(out_dtype)
+
+
+class RouterReplay:
+    """Hooks on every router of ``model``; attach once per model (``attach``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        layout = moe_layout(model)
+        if layout is None:
+            raise ValueError("the model has no supported mixture-of-experts router (engine/moe/routers.py)")
+        self.layout: MoELayout = layout
+        self._captured: list = [None] * layout.layers
+        self._capture = False
+        self._replay: torch.Tensor | None = None   # [N, L, k] long on the model's device
+        self._use: torch.Tensor | None = None      # [N] bool: token has a record
+        self._handles = [m.register_forward_hook(self._hook(i))
+                         for i, (_, m) in enumerate(find_routers(model))]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _hook(self, layer: int):
+        def hook(module, args, out):
+            if not self._capture and self._replay is None:
+                return None
+            logits, scores, indices = out
+            if self._capture:
+                self._captured[layer] = indices.detach()
+            if self._replay is None:
+                return None
+            rec = self._replay[:, layer]
+            if rec.shape != indices.shape:
+                raise RuntimeError(f"routing records for {rec.shape[0]} tokens x top-{rec.shape[1]} do not match "
+                                   f"the router's {tuple(indices.shape)} in layer {layer}: the records must be laid "
+                                   "out like the forward's input")
+            chosen = torch.where(self._use[:, None], rec, indices)
+            return logits, gate_weights(module, logits, chosen, scores.dtype), chosen
+        return hook
+
+    # ---- modes --------------------------------------------------------------------------
+    @contextmanager
+    def recording(self):
+        """Capture every router's own choice; read each forward's with ``take()``."""
+        self._capture, self._captured = True, [None] * self.layout.layers
+        try:
+            yield self
+        finally:
+            self._capture, self._captured = False, [None] * self.layout.layers
+
+    def take(self, as_records: bool = True) -> torch.Tensor:
+        """The last forward's choices as ``[tokens, layers, k]``: int16 on CPU (records), or the
+        router's indices on their device (``as_records=False``)."""
+        if any(c is None for c in self._captured):
+            raise RuntimeError("no routing captured: call take() after a forward inside recording()/replaying()")
+        out = torch.stack(self._captured, dim=1)
+        self._captured = [None] * self.layout.layers
+        return to_records(out) if as_records else out
+
+    @contextmanager
+    def replaying(self, records: torch.Tensor, device=None, capture: bool = False):
+        """Replay ``records`` ([b, s, L, k] or [N, L, k]) in every forward inside the context
+        (and in gradient checkpointing's recomputation). ``capture``: also keep the routers'
+        own choices for ``take()``."""
+        L, k = self.layout.layers, self.layout.top_k
+        if tuple(records.shape[-2:]) != (L, k):
+            raise ValueError(f"routing records end in {tuple(records.shape[-2:])}, this model routes "
+                             f"{L} layers x top-{k}")
+        flat = records.reshape(-1, L, k)
+        device = device if device is not None else records.device
+        use = has_record(flat).to(device)            # [N, L]
+        self._replay = flat.to(device=device, dtype=torch.long)
+        # a token replays where its record is real in every layer (records are written per
+        # token for all layers at once); padding has none in any layer
+        self._use = use.all(-1)
+        self._capture, self._captured = capture, [None] * L
+        try:
+            yield self
+        finally:
+            self._replay = self._use = None
+            self._capture, self._captured = False, [None] * L
+
+
+def attach(model: torch.nn.Module) -> RouterReplay:
+    """The model's RouterReplay, creating (and hooking) it on first use."""
+    rr = _ATTACHED.get(model)
+    if rr is None:
+        rr = _ATTACHED[model] = RouterReplay(model)
+    return rr
+
+
+def attached(model: torch.nn.Module) -> RouterReplay | None:
+    """The RouterReplay attached to ``model`` (None: none was)."""
+    return _ATTACHED.get(model)

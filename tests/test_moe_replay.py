@@ -1,0 +1,377 @@
+"""Mixture-of-experts routing replay (engine/moe/, docs/moe.md): the torch rollout records each
+token's top-k experts per layer as int16, the batch keeps them aligned through padding, buckets
+and packing, and the FSDP engine replays them so that its log-probs equal the rollout's when
+routing is what differs; >255 experts cross a real gloo all-gather as a uint8 view."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from engine.moe.routing_records import NO_RECORD, has_record
+from tests.dist_utils import run_ranks
+from tests.tiny_hf import MOE_ARCHS, char_tokenizer, hf_config, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {a: save_tiny_model(a, root / a, experts=8) for a in MOE_ARCHS}
+
+
+def _model(arch, experts=8, seed=0, layers=2):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(arch, 40, layers, experts=experts)).eval()
+
+
+def test_every_supported_router_still_computes_softmax_top_k():
+    """Replay recomputes gate weights as these routers do (softmax -> top-k -> renormalise); a
+    transformers upgrade that changes one must fail here, not replay wrongly."""
+    import importlib
+
+    from engine.moe.routers import ROUTER_CLASSES
+
+    modules = {"Mixtral": "mixtral", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe", "Olmoe": "olmoe",
+               "Qwen3Next": "qwen3_next"}
+    for name in ROUTER_CLASSES:
+        prefix = name[: -len("TopKRouter")]
+        mod = importlib.import_module(f"transformers.models.{modules[prefix]}.modeling_{modules[prefix]}")
+        src = inspect.getsource(getattr(mod, name).forward)
+        assert "softmax" in src and "torch.topk(router_probs, self.top_k" in src, name
+        assert "return router_logits, router_scores, router_indices" in src, name
+
+
+def test_no_record_is_duplicate_or_negative_entries():
+    r = torch.tensor([[3, 5], [4, 4], [NO_RECORD, NO_RECORD], [0, 300], [7, NO_RECORD]], dtype=torch.int16)
+    assert has_record(r).tolist() == [True, False, False, True, False]
+    assert has_record(torch.tensor([[2], [NO_RECORD]], dtype=torch.int16)).tolist() == [True, False]  # top-1
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replaying_the_routers_own_choice_is_bit_identical(arch, dtype):
+    """Gate weights recomputed from the router's logits at replayed indices are exactly the
+    router's own (Mixtral keeps fp32 scores, Qwen casts back; Qwen2-MoE does not renormalise)."""
+    from engine.moe.router_replay import attach
+
+    m = _model(arch).to(dtype)
+    rr = attach(m)
+    ids = torch.randint(2, 40, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with rr.recording():
+            own = m(input_ids=ids).logits
+            rec = rr.take()
+        assert rec.dtype == torch.int16 and rec.shape == (21, 2, 2)
+        with rr.replaying(rec.reshape(3, 7, 2, 2)):
+            replayed = m(input_ids=ids).logits
+        with rr.replaying(((rec.long() + 1) % 8).to(torch.int16).reshape(3, 7, 2, 2)):
+            other = m(input_ids=ids).logits
+    assert torch.equal(own, replayed)
+    assert not torch.allclose(own, other)  # replay really does change the experts used
+
+
+def test_replay_keeps_the_router_learning():
+    """Replayed gate weights come from the router's logits, so its weight gets a gradient."""
+    from engine.moe.router_replay import attach
+
+    m = _model("mixtral").train()
+    rr = attach(m)
+    ids = torch.randint(2, 40, (2, 5))
+    rec = torch.randint(0, 8, (2, 5, 2, 1)).repeat(1, 1, 1, 2)
+    rec[..., 1] = (rec[..., 0] + 3) % 8
+    with rr.replaying(rec.to(torch.int16)):
+        m(input_ids=ids).logits.sum().backward()
+    grads = [p.grad for n, p in m.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def _second_choice_hooks(model):
+    """Make ``model``'s routers pick their 2nd..k+1th experts (gate weights from their own
+    logits): a rollout whose routing, and nothing else, differs from the trainer's."""
+    from engine.moe.router_replay import gate_weights
+    from engine.moe.routers import find_routers
+
+    def hook(mod, args, out):
+        logits, scores, _ = out
+        probs = torch.softmax(logits, -1, dtype=torch.float)
+        idx = probs.topk(mod.top_k + 1, -1).indices[:, 1:]
+        return logits, gate_weights(mod, logits, idx, scores.dtype), idx
+
+    return [m.register_forward_hook(hook, prepend=True) for _, m in find_routers(model)]
+
+
+def _engine(path, tok, *overrides):
+    from engine.backends.fsdp import FSDPEngine
+    from engine.config.load import load_run_config
+
+    cfg = load_run_config([f"model.path={path}", "rollout.max_new_tokens=6", *overrides]).config
+    eng = FSDPEngine(cfg, str(path), tok.vocab_size, tok.pad_token_id, tok.eos_token_id,
+                     torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    return cfg, eng
+
+
+def _rollout(cfg, eng, tok, seed, perturb=False):
+    from engine.rollout.torch_sampler import TorchSampler
+
+    sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, eng.device, record_routing=True)
+    prompts = [tok.encode("ab:"), tok.encode("c:"), tok.encode("abcd:"), tok.encode("d:")]
+    with eng.generation_model() as m:
+        handles = _second_choice_hooks(m) if perturb else []
+        try:
+            return sampler.generate(m, prompts, 3, torch.Generator().manual_seed(seed))
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _replay_vs_rollout(rank, world, path):
+    from engine.trainer.worker_group import shard_slices
+
+    tok = char_tokenizer()
+    cfg, eng = _engine(path, tok, "algorithm.router_replay=replay", "engine.micro_batch_size=5")
+    batch = _rollout(cfg, eng, tok, seed=rank, perturb=True)
+    replayed, _ = eng.compute_log_probs(batch)
+    report = eng.routing_report(batch)
+    shard = batch.select(shard_slices(len(batch), world)[rank])
+    return batch.rollout_log_probs * batch.response_mask, replayed * batch.response_mask, report, shard
+
+
+def test_with_replay_trainer_log_probs_equal_the_rollouts_where_routing_was_the_difference(moe_dirs):
+    """The rollout routes each token to its 2nd..3rd choice experts (everything else equal); the
+    FSDP engine replaying the records reproduces the rollout's log-probs, its own routing does
+    not (and the routing metrics say so), on 2 gloo ranks."""
+    for sampled, replayed, rep, _ in run_ranks(_replay_vs_rollout, 2, moe_dirs["mixtral"]):
+        assert torch.allclose(sampled, replayed, atol=1e-5), (sampled - replayed).abs().max()
+        from engine.moe.routing_metrics import RoutingSums, summarize
+
+        m = summarize(RoutingSums(**rep))
+        assert m["routing_mismatch"] > 0.9           # own routing disagrees nearly everywhere
+        assert m["logp_gap_no_replay"] > 100 * max(m["logp_gap_replay"], 1e-7)
+        assert m["logp_gap_replay"] < 1e-5 and m["kl_replay"] < 1e-9
+        assert m["kl_no_replay"] > 0
+
+
+def _layouts(rank, world, path):
+    """One rollout batch; replayed log-probs under different micro-batching/bucketing."""
+    tok = char_tokenizer()
+    cfg, eng = _engine(path, tok, "algorithm.router_replay=replay")
+    batch = _rollout(cfg, eng, tok, seed=3, perturb=True)
+    out = {}
+    for name, over in {"one_row": {"micro_batch_size": 1},
+                       "whole": {"micro_batch_size": 64},
+                       "bucket16": {"micro_batch_size": 4, "pad_to_length": True, "pad_to_length_bucket": 16},
+                       "budget_geometric": {"micro_batch_size": 0, "max_tokens_per_micro_batch": 40,
+                                            "pad_to_length": True, "pad_to_length_policy": "geometric",
+                                            "pad_to_length_bucket": 8}}.items():
+        for k, v in over.items():
+            setattr(eng.cfg.engine, k, v)
+        from engine.batching.buckets import make_bucket_policy
+
+        eng.bucket_policy = make_bucket_policy(eng.cfg.engine, max_length=64)
+        out[name], _ = eng.compute_log_probs(batch)
+    return batch, out
+
+
+def test_padding_and_buckets_do_not_change_replayed_results(moe_dirs):
+    """Rows padded to buckets or micro-batched differently replay the same experts and give the
+    same log-probs (to float tolerance: different shapes, different kernels), all equal to the
+    rollout's."""
+    batch, out = run_ranks(_layouts, 1, moe_dirs["qwen3_moe"])[0]
+    mask = batch.response_mask
+    for name, lp in out.items():
+        assert torch.allclose(lp * mask, out["one_row"] * mask, atol=1e-5), name
+        assert torch.allclose(lp * mask, batch.rollout_log_probs * mask, atol=1e-5), name
+
+
+def test_records_stay_aligned_through_concat_select_bucket_padding_and_packing():
+    """Padding added anywhere (concat, bucket columns, empty rows, the packed pad segment) holds
+    no record; real tokens keep theirs at the same positions."""
+    from engine.batch import SequenceBatch
+    from engine.batching.microbatch import split_micro_batches
+    from engine.config.schema import EngineConfig
+
+    def batch(lengths, seed):
+        g = torch.Generator().manual_seed(seed)
+        B, T = len(lengths), max(lengths)
+        attn = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+        rec = torch.randint(0, 300, (B, T, 3, 1), generator=g).repeat(1, 1, 1, 2)
+        rec[..., 1] = (rec[..., 0] + 1) % 300
+        rec = torch.where(attn.bool()[..., None, None], rec, torch.full_like(rec, NO_RECORD)).to(torch.int16)
+        return SequenceBatch(input_ids=torch.randint(2, 9, (B, T), generator=g) * attn, attention_mask=attn,
+                             response_mask=attn.float(), prompt_lengths=torch.ones(B, dtype=torch.long),
+                             routed_experts=rec)
+
+    a, b = batch([5, 3], 0), batch([9, 2, 7], 1)
+    cat = SequenceBatch.concat([a, b])
+    assert cat.routed_experts.shape == (5, 9, 3, 2)
+    assert torch.equal(has_record(cat.routed_experts).all(-1), cat.attention_mask.bool())
+    assert torch.equal(cat.routed_experts[:2, :5], a.routed_experts)
+    sel = cat.select([1, 4])  # trimmed to its longest row (7)
+    assert sel.routed_experts.shape == (2, 7, 3, 2)
+    assert torch.equal(sel.routed_experts[1], b.routed_experts[2, :7])
+    eng = EngineConfig(micro_batch_size=2, pad_to_length=True, pad_to_length_bucket=16)
+    for mb in split_micro_batches(cat, eng, pad_rows=True):
+        got, want = mb.batch.routed_experts, cat.routed_experts[mb.indices]
+        assert got.shape[:2] == mb.shape                                  # rows and columns of the bucket
+        real = cat.attention_mask[mb.indices].bool()
+        assert torch.equal(got[: mb.num_rows, : real.shape[1]][real], want[real])
+        assert torch.equal(has_record(got).all(-1), mb.batch.attention_mask.bool())  # pads: none
+    packed_cfg = EngineConfig(micro_batch_size=0, max_tokens_per_micro_batch=32, pad_to_length=True,
+                              pad_to_length_bucket=8)
+    for mb in split_micro_batches(cat, packed_cfg, layout="packed"):
+        p = mb.packed
+        assert p.routed_experts.shape[:2] == p.input_ids.shape
+        real = int(p.seq_lengths.sum())
+        assert not has_record(p.routed_experts[0, real:]).any()          # the pad segment
+        assert torch.equal(p.unpack(p.routed_experts), torch.where(      # real tokens, back in place
+            mb.batch.attention_mask.bool()[..., None, None], mb.batch.routed_experts,
+            torch.zeros_like(mb.batch.routed_experts)))
+
+
+def test_pad_tokens_never_read_a_record():
+    """In a replayed forward, pad tokens (no record) get exactly the router's own experts, while
+    every real token gets its record, also when the record disagrees with the router."""
+    from engine.moe.router_replay import attach
+    from engine.moe.routers import find_routers
+
+    m = _model("qwen2_moe")
+    rr = attach(m)
+    ids = torch.randint(2, 40, (2, 6))
+    attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    with torch.no_grad(), rr.recording():
+        m(input_ids=ids, attention_mask=attn)
+        own = rr.take().long().reshape(2, 6, 2, 2)
+    rec = ((own + 3) % 8).to(torch.int16)  # a routing the model would not choose
+    rec[1, 3:] = NO_RECORD
+    used = []
+    handles = [r.register_forward_hook(lambda mod, a, out: used.append(out[2].clone()))
+               for _, r in find_routers(m)]  # after replay's hook: what the experts receive
+    with torch.no_grad(), rr.replaying(rec, capture=True):
+        m(input_ids=ids, attention_mask=attn)
+        again = rr.take().long().reshape(2, 6, 2, 2)
+    for h in handles:
+        h.remove()
+    used = torch.stack(used, 1).reshape(2, 6, 2, 2)
+    real = attn.bool()
+    assert torch.equal(used[real], rec.long()[real])
+    assert torch.equal(used[~real], again[~real])   # pads: the router's own choice in this forward
+
+
+def _gather(rank, world, path):
+    from engine.moe.router_replay import attach
+    from engine.moe.routing_transport import all_gather_records
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path).eval()
+    rr = attach(m)
+    ids = torch.randint(2, m.config.vocab_size, (2, 4 + rank), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), rr.recording():
+        m(input_ids=ids)
+        rec = rr.take()
+    rec[0] = NO_RECORD  # "no record" entries cross too
+    return rec, all_gather_records(rec)
+
+
+def test_over_255_experts_round_trip_through_a_2_rank_gloo_all_gather(tmp_path):
+    """A 300-expert model's int16 records (indices > 255) cross gloo as a uint8 view, exactly,
+    with different token counts per rank."""
+    path = save_tiny_model("mixtral", tmp_path / "m300", experts=300)
+    results = run_ranks(_gather, 2, path)
+    mine = [r[0] for r in results]
+    assert max(int(r.max()) for r in mine) > 255
+    assert [r.shape[0] for r in mine] == [8, 10]
+    for _, gathered in results:
+        assert len(gathered) == 2
+        for got, want in zip(gathered, mine):
+            assert got.dtype == torch.int16 and torch.equal(got, want)
+
+
+def _step(rank, world, path, ckpt):
+    from engine.algorithms.policy_loss import PolicyLoss
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    cfg, eng = _engine(path, tok, "algorithm.router_replay=replay",
+                       f"engine.gradient_checkpointing={str(ckpt).lower()}")
+    batch = _rollout(cfg, eng, tok, seed=0, perturb=True)
+    batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))[:, None] \
+        * batch.response_mask
+    stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
+    return stats.replicated["grad_norm"], eng.export_hf_state_dict()
+
+
+def test_update_with_replay_and_gradient_checkpointing_replays_in_the_recompute(moe_dirs):
+    """Gradient checkpointing recomputes each block's forward during backward; the records stay
+    bound through backward, so the update equals the one without checkpointing."""
+    (n0, w0), = run_ranks(_step, 1, moe_dirs["mixtral"], False)
+    (n1, w1), = run_ranks(_step, 1, moe_dirs["mixtral"], True)
+    assert n0 > 0 and abs(n0 - n1) < 1e-5 * max(1.0, n0)
+    for k in w0:
+        assert torch.allclose(w0[k], w1[k], atol=1e-6), k
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["algorithm.router_replay=replay", "rollout=vllm"], "only rollout=torch"),
+    (["algorithm.router_replay=record", "--engine", "megatron"], "fsdp engine only"),
+    (["algorithm.router_replay=replay"], "tiny built-in model is dense"),
+    (["algorithm.router_replay=replays"], "did you mean"),
+])
+def test_router_replay_refused_clearly_where_it_cannot_run(overrides, needle, tmp_path):
+    """vLLM rollouts (no routing returned), the megatron engine and dense models are refused at
+    config time: exit 2, one paragraph naming the fix, no traceback."""
+    from tests.cli_utils import cli, flat
+
+    args = [a for a in overrides if a != "--engine" and a != "megatron"]
+    pre = ["--engine", "megatron"] if "megatron" in overrides else []
+    res = cli("train", "--dry-run", *pre, *args, f"checkpoint.dir={tmp_path / 'run'}")
+    out = flat(res.stdout + (res.stderr or ""))
+    assert res.exit_code == 2, out
+    assert needle.lower() in out.lower(), out
+    assert "Traceback" not in out
+
+
+def test_dense_model_dir_refused_for_router_replay(tmp_path):
+    from engine.errors import ConfigError
+    from engine.moe.routers import check_replay_model
+
+    dense = save_tiny_model("llama", tmp_path / "llama")
+    with pytest.raises(ConfigError, match="has no experts"):
+        check_replay_model(str(dense), "replay")
+
+
+def test_off_written_unquoted_in_yaml_still_means_off():
+    """YAML 1.1 reads `router_replay: off` as false; the config takes it as the choice 'off'."""
+    from engine.config.validate import build_run_config
+
+    assert build_run_config({"algorithm": {"router_replay": False}}).algorithm.router_replay == "off"
+
+
+@pytest.mark.slow
+def test_moe_grpo_run_with_replay_learns_logs_routing_and_resumes(tmp_path):
+    """`rl train` on a tiny Mixtral with algorithm.router_replay=replay learns the default task
+    (last-10 reward at least 2x the first 10), logs the routing metrics each step (replayed gap
+    ~0), and `rl resume` continues it from its DCP checkpoint."""
+    import json
+
+    from tests.cli_utils import rl
+
+    model = save_tiny_model("mixtral", tmp_path / "mixtral", experts=8)
+    d = tmp_path / "run"
+    r = rl("train", f"model.path={model}", "algorithm.router_replay=replay", "trainer.total_steps=30",
+           f"checkpoint.dir={d}", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["reward_last10"] >= 2 * s["reward_first10"], s
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        algo = row["algo"]
+        assert 0.0 <= algo["routing_mismatch"] <= 1.0
+        assert algo["logp_gap_replay"] < 1e-4 and algo["logp_gap_no_replay"] >= 0
+    again = rl("resume", str(d), "trainer.total_steps=32", "--json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout)["last_step"] == 32
