@@ -1,5 +1,7 @@
-"""algorithm=ppo: the critic's value loss and value alignment by hand, and through the real
-`rl train` / `rl resume`: PPO learns the default task, and resume with a critic is bit-exact."""
+"""algorithm=ppo: the critic's value loss and value alignment by hand; the FSDP2 critic follows
+param/optimizer offload; and through the real `rl train` / `rl resume` on both engines: PPO
+learns the default task, resume with a critic is bit-exact, `rl inspect-ckpt` shows the critic.
+(The megatron critic's own checks: tests/test_megatron_critic.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.backends.critic import ValueModel, value_loss
+from engine.algorithms.value_loss import value_loss
+from engine.backends.critic import ValueModel
+from tests.dist_utils import run_ranks
 
 
 def test_value_loss_clips_by_hand():
@@ -49,13 +53,20 @@ def rl(*args, timeout=1200):
                           timeout=timeout)
 
 
+# steps per engine: 20 on FSDP2 (measured 0.149 -> 0.375, 2.5x); the megatron run of the same
+# job learns more slowly at step 20 (0.133 -> 0.240, 1.8x) and passes 2x by step 30
+# (0.133 -> 0.370, 2.8x); docs/algorithms.md has the figures
+LEARN_STEPS = {"fsdp": 20, "megatron": 30}
+
+
 @pytest.mark.slow
-def test_ppo_learns_the_default_task(tmp_path):
-    """The default job with algorithm=ppo: reward of the last 10 of 20 steps at least double the
-    first 10 (measured 0.173 -> 0.462, 2.7x), with the critic's loss reported every step."""
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_ppo_learns_the_default_task(tmp_path, engine):
+    """The default job with algorithm=ppo: reward of the last 10 steps at least double the
+    first 10, with the critic's loss reported every step."""
     d = tmp_path / "run"
-    r = rl("train", "algorithm=ppo", "trainer.total_steps=20", f"checkpoint.dir={d}", "checkpoint.save_freq=0",
-           "--json")
+    r = rl("train", f"--engine={engine}", "algorithm=ppo", f"trainer.total_steps={LEARN_STEPS[engine]}",
+           f"checkpoint.dir={d}", "checkpoint.save_freq=0", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["reward_last10"] >= 2 * s["reward_first10"], s
@@ -81,12 +92,13 @@ def dcp_tensors(state_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_resume_with_a_critic_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_resume_with_a_critic_is_bit_exact(tmp_path, engine):
     """4 PPO steps straight == 2 steps, stop, `rl resume`, 2 more: identical policy, critic and
     both optimizers (every DCP entry) and identical metric rows; critic.warmup_steps=1 so the
-    run covers a critic-only step too."""
-    common = ["algorithm=ppo", "trainer.total_steps=4", "data.train_batch_size=4", "algorithm.rollout_n=4",
-              "critic.warmup_steps=1", "checkpoint.save_freq=2", "checkpoint.keep_last=0"]
+    run covers a critic-only step too. `rl inspect-ckpt` lists the critic's groups."""
+    common = [f"--engine={engine}", "algorithm=ppo", "trainer.total_steps=4", "data.train_batch_size=4",
+              "algorithm.rollout_n=4", "critic.warmup_steps=1", "checkpoint.save_freq=2", "checkpoint.keep_last=0"]
     src = tmp_path / "straight"
     r = rl("train", *common, f"checkpoint.dir={src}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -110,11 +122,58 @@ def test_resume_with_a_critic_is_bit_exact(tmp_path):
         assert [x[key] for x in a] == [x[key] for x in b], key
     assert [x["algo"]["value_loss"] for x in a] == [x["algo"]["value_loss"] for x in b]
     assert [x["algo"]["policy_updated"] for x in a] == [False, True, True, True]
+    r = rl("inspect-ckpt", str(src / "step_4"), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    groups = {g["group"]: g for g in json.loads(r.stdout)["groups"]}
+    assert groups["critic model"]["tensors"] > 0 and groups["critic optimizer state"]["tensors"] > 0
 
 
-def test_ppo_on_megatron_is_refused_at_config_time():
+def _critic_offload_round_trip(rank, world):
+    """FSDP2 engine + critic, offload with CPU storages standing in for device memory."""
+    import functools
+
+    import engine.memory.offload as off
+    from engine.backends.critic import FSDPCritic
+    from engine.backends.fsdp import FSDPEngine
     from engine.config.load import load_run_config
-    from engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="only the fsdp engine"):
-        load_run_config(["algorithm=ppo", "engine=megatron"])
+    off.offload_params = functools.partial(off.offload_params, simulate_on_cpu=True)
+    off.offload_optimizer_state = functools.partial(off.offload_optimizer_state, simulate_on_cpu=True)
+    cfg = load_run_config(["algorithm=ppo", "engine.param_offload=true", "engine.optimizer_offload=true"]).config
+    eng = FSDPEngine(cfg, "", 12, 0, 1, torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    eng.critic = FSDPCritic(cfg, eng)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 12, (4, 8), generator=g)
+    from engine.batch import SequenceBatch
+
+    resp = (torch.arange(8)[None] >= 3).float().expand(4, -1).contiguous()
+    batch = SequenceBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=resp,
+                          prompt_lengths=torch.full((4,), 3), advantages=torch.zeros(4, 8),
+                          values=torch.zeros(4, 8), returns=torch.rand(4, 8, generator=g) * resp)
+    eng.critic.train_step(batch)   # AdamW state exists
+    before = {k: v.full_tensor().clone() for k, v in eng.critic.model.state_dict().items()}
+    opt_before = [t.clone() for st in eng.critic.optimizer.state.values() for t in st.values()]
+    rep = eng.offload()
+    shard = next(eng.critic.model.parameters()).to_local()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (DTensor shards)
+    moved = (shard.untyped_storage().size() == 0,
+             all(local(t).untyped_storage().size() == 0 for st in eng.critic.optimizer.state.values()
+                 for t in st.values() if t.dim() > 0))
+    critic_bytes = sum(p.to_local().numel() * 4 for p in eng.critic.model.parameters())
+    eng.onload()
+    after = {k: v.full_tensor() for k, v in eng.critic.model.state_dict().items()}
+    opt_after = [t for st in eng.critic.optimizer.state.values() for t in st.values()]
+    return {"moved": moved, "bytes": (rep.param_bytes, rep.optimizer_bytes), "critic_bytes": critic_bytes,
+            "exact": all(torch.equal(before[k], after[k]) for k in before)
+            and all(torch.equal(a, b) for a, b in zip(opt_before, opt_after))}
+
+
+def test_fsdp_critic_follows_param_and_optimizer_offload():
+    """engine.param_offload / optimizer_offload move the critic's parameters and AdamW state out
+    with the policy's (the real storage moves; CPU stands in for the device) and bring them back
+    bit-exactly."""
+    (r,) = run_ranks(_critic_offload_round_trip, 1)
+    assert r["moved"] == (True, True)
+    assert r["bytes"][0] >= 2 * r["critic_bytes"] and r["bytes"][1] > 0   # policy + critic params
+    assert r["exact"]

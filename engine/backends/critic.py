@@ -1,19 +1,17 @@
 """The PPO critic on the FSDP2 engine: a value head on a copy of the policy's network (or on
 ``critic.model_path``), sharded like the policy, with its own AdamW optimizer and LR.
 
-Values follow the log-prob convention of the batch: ``values[:, t]`` is V(tokens < t), the
-value of the state in which token t was sampled, read from the hidden state at t - 1. The
-value head starts at zero, so the first advantages are plain (whitened) returns.
-
-Loss (verl/OpenRLHF): 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), averaged
-over the response tokens of the global mini-batch, where R are the GAE returns and V_old the
-values computed before the update.
+The value alignment (``values[:, t]`` is V(tokens < t)) and the clipped value loss are
+engine-independent: engine/algorithms/value_loss.py. The value head starts at zero, so the
+first advantages are plain (whitened) returns. The Megatron engine's critic is
+engine/backends/megatron/critic.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.algorithms.value_loss import value_loss, values_per_token
 from engine.backends.base import global_counts
 from engine.batch import SequenceBatch
 
@@ -31,18 +29,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids, attention_mask):
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         v = self.value_head(h.float()).squeeze(-1)
-        # V(tokens < t) lives at t: shift right by one, position 0 (no prefix) gets 0
-        return torch.nn.functional.pad(v[:, :-1], (1, 0))
-
-
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, n_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss summed over this micro-batch's tokens / ``n_tokens`` (the global
-    count), and the share of tokens where the clipped term was the larger."""
-    clipped = old_values + (values - old_values).clamp(-clip, clip)
-    a, b = (values - returns) ** 2, (clipped - returns) ** 2
-    loss = 0.5 * (torch.maximum(a, b) * mask).sum() / max(n_tokens, 1.0)
-    return loss, ((b > a).float() * mask).sum() / max(n_tokens, 1.0)
+        return values_per_token(v)
 
 
 class FSDPCritic:

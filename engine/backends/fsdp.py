@@ -327,15 +327,22 @@ class FSDPEngine(TrainEngine):
         return out
 
     # ---- memory -------------------------------------------------------------------------
+    def _offloaded_models(self) -> list:
+        """What param_offload moves: the policy and the critic (algorithm=ppo)."""
+        return [self.model] + ([self.critic.model] if self.critic is not None else [])
+
+    def _offloaded_optimizers(self) -> list:
+        return [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+
     def offload(self) -> OffloadReport:
         from engine.memory.offload import combine_reports, offload_optimizer_state, offload_params
 
         e = self.cfg.engine
         reports = []
         if e.param_offload:
-            reports.append(offload_params(self.model))
+            reports += [offload_params(m) for m in self._offloaded_models()]
         if e.optimizer_offload:
-            reports.append(offload_optimizer_state(self.optimizer))
+            reports += [offload_optimizer_state(o) for o in self._offloaded_optimizers()]
         self._offloaded = bool(reports)
         return combine_reports(*reports) if reports else OffloadReport()
 
@@ -347,9 +354,9 @@ class FSDPEngine(TrainEngine):
         e = self.cfg.engine
         reports = []
         if e.param_offload:
-            reports.append(onload_params(self.model, self.device))
+            reports += [onload_params(m, self.device) for m in self._offloaded_models()]
         if e.optimizer_offload:
-            reports.append(onload_optimizer_state(self.optimizer, self.device))
+            reports += [onload_optimizer_state(o, self.device) for o in self._offloaded_optimizers()]
         self._offloaded = False
         return combine_reports(*reports)
 

@@ -215,7 +215,7 @@ class MegatronEngineConfig(EngineConfig):
 
 @dataclass
 class CriticConfig:
-    """The value model of algorithm=ppo (engine/backends/critic.py)."""
+    """The value model of algorithm=ppo (FSDP2: engine/backends/critic.py; megatron: engine/backends/megatron/critic.py)."""
 
     model_path: str = _f("", "model directory for the critic; empty = a copy of the policy's initial network")
     lr: float = _f(1e-2, "critic AdamW learning rate (constant)", min=0.0)

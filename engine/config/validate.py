@@ -242,10 +242,6 @@ def check_cross_field(cfg: RunConfig) -> None:
                               "(a function (prompt, response, answer, **row) -> float; the current directory is "
                               "importable), a built-in such as `task.reward_fn=rl:math_boxed`, or several with "
                               "`'task.reward_fns=[mod:fmt,mod:acc]'`.", title="invalid config")
-    if cfg.algorithm.name == "ppo" and cfg.engine.name != "fsdp":
-        raise ConfigError(f"`algorithm=ppo` needs a critic, which only the fsdp engine builds so far "
-                          f"(engine.name={cfg.engine.name}). Use `--engine fsdp`, or a critic-free estimator on "
-                          f"megatron: algorithm=grpo|rloo|reinforce_pp|dapo.", title="invalid config")
     if cfg.algorithm.ppo_mini_batch_size and cfg.data.train_batch_size % cfg.algorithm.ppo_mini_batch_size:
         raise ConfigError(
             f"`data.train_batch_size` ({cfg.data.train_batch_size}) must be a multiple of "

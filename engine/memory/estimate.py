@@ -522,20 +522,26 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
             logits=logits_eval, fp8_workspaces=fp8)
     add("update", params=params + gather + (0 if param_offload else ref), grads=grads, optimizer=optimizer,
         activations=activations, activations_host=act_host, logits=logits_train, fp8_workspaces=fp8)
-    critic = 0
-    if run_cfg.algorithm.name == "ppo":  # engine/backends/critic.py: a copy of the network, own AdamW, never offloaded
+    critic = critic_opt = 0
+    if run_cfg.algorithm.name == "ppo":
+        # engine/backends/critic.py, engine/backends/megatron/critic.py: a copy of the network
+        # (same layout), its own AdamW; offloaded with the policy by param/optimizer_offload
         critic, critic_opt = params, optimizer
-        f["params"] += " + critic (a copy of the policy network with a value head; resident in every phase)"
+        critic_res = 0 if param_offload else critic
+        critic_opt_res = 0 if optimizer_offload else critic_opt
+        f["params"] += (" + critic (a copy of the policy network with a value head; "
+                        + ("offloaded with the policy outside critic_update)" if param_offload
+                           else "resident in every phase)"))
         f["optimizer"] += " + the critic's AdamW state (same size)"
         for ph in phases:
-            ph.categories["params"] += critic
-            ph.categories["optimizer"] += critic_opt
-            ph.total += critic + critic_opt
-        add("critic_update", params=critic + gather + (0 if param_offload else params + ref), grads=grads,
+            ph.categories["params"] += critic_res
+            ph.categories["optimizer"] += critic_opt_res
+            ph.total += critic_res + critic_opt_res
+        add("critic_update", params=critic + gather + resident_params, grads=grads,
             optimizer=critic_opt + resident_opt, activations=activations, fp8_workspaces=resident_fp8)
         optimizer += critic_opt
     peak = max(phases, key=lambda p: p.total)
-    host = (params + ref if param_offload else 0) + (optimizer if optimizer_offload else 0) + act_host
+    host = (params + ref + critic if param_offload else 0) + (optimizer if optimizer_offload else 0) + act_host
     per_rank = {"params": params + gather + ref + critic, "grads": grads, "optimizer": optimizer,
                 "activations": activations, "activations_host": act_host, "logits": logits_train,
                 "fp8_workspaces": fp8, "kv_cache": kv}

@@ -80,10 +80,8 @@ class RankWorker:
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
         models, optimizers = {"policy": self.engine.model}, [self.engine.optimizer]
-        if self.cfg.algorithm.name == "ppo":  # the engine checkpoints it with its own state
-            from engine.backends.critic import FSDPCritic
-
-            self.engine.critic = FSDPCritic(self.cfg, self.engine)
+        if self.cfg.algorithm.name == "ppo":  # the engine checkpoints and offloads it with its own state
+            self.engine.critic = self._make_critic()
             models["critic"] = self.engine.critic.model
             optimizers.append(self.engine.critic.optimizer)
         from engine.memory.tracker import MemoryTracker
@@ -110,6 +108,13 @@ class RankWorker:
 
         return TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device,
                             record_routing=self.cfg.algorithm.router_replay != "off")
+
+    def _make_critic(self):
+        if self.cfg.engine.name == "megatron":
+            from engine.backends.megatron.critic import MegatronCritic
+            return MegatronCritic(self.cfg, self.engine)
+        from engine.backends.critic import FSDPCritic
+        return FSDPCritic(self.cfg, self.engine)
 
     def _make_engine(self):
         c = self.cfg

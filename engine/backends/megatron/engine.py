@@ -26,7 +26,8 @@ full fp32 main weight, the optimizer state is flattened like
 ``torch.distributed.checkpoint.state_dict``'s ``flatten_optimizer_state_dict`` output
 (``state.<hf name>.exp_avg`` ...). Every rank offers full tensors; DCP writes each key once.
 Loading slices each rank's shard out of full tensors, so any TP/DP layout can resume any other
-(and an FSDP checkpoint). See docs/megatron.md.
+(and an FSDP checkpoint); the conversion is sharded_state.py, shared with the PPO critic
+(critic.py). See docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ class MegatronEngine(TrainEngine):
             gpt, c.engine, ["decoder"] if c.engine.gradient_checkpointing else ["decoder.layers.*"], self.device)
         self.ref_model = ref
         self._params = dict(self.model.module.named_parameters())
+        from engine.backends.megatron.sharded_state import ShardedState
+
+        self.sharded = ShardedState(self.mappings, self._params, self.arch, self.tp_rank, tp, self.tp_group,
+                                    self.device)
         plist = [self._params[m.megatron_name] for m in self.mappings]
         if on_gpu:
             from engine.backends.megatron.optimizer import MegatronOptimizer
@@ -206,17 +211,11 @@ class MegatronEngine(TrainEngine):
         return replace(self.cfg.engine, sequence_parallel=bool(self.tcfg.sequence_parallel))
 
     def param_count(self) -> int:
-        return sum(int(torch.Size(s["shape"]).numel()) for s in self.param_shapes().values())
+        return self.sharded.param_count()
 
     def param_shapes(self) -> dict[str, dict]:
         """Full (unsharded) shapes under HF names, as the manifest records them."""
-        a = self.arch
-        out = {}
-        for m in self.mappings:
-            p = self._params[m.megatron_name]
-            for name in m.hf_names:
-                out[name] = {"shape": list(_hf_shape(name, m.kind, p, a, self.tp_size)), "dtype": "float32"}
-        return out
+        return self.sharded.param_shapes()
 
     @property
     def lr_scheduler(self):
@@ -326,23 +325,8 @@ class MegatronEngine(TrainEngine):
         return stats
 
     # ---- rollout / export ---------------------------------------------------------------
-    def _gather_hf(self, local_of) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors from ``local_of(param)`` (this rank's TP shard) on every rank."""
-        from engine.backends.megatron.hf_convert import hf_from_shards
-
-        out: dict[str, torch.Tensor] = {}
-        for m in self.mappings:
-            t = local_of(self._params[m.megatron_name]).detach()
-            if self.tp_size > 1:
-                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-                dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-            else:
-                parts = [t]
-            out.update({k: v.cpu() for k, v in hf_from_shards(m, parts, self.arch).items()})
-        return out
-
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._gather_hf(lambda p: p)
+        return self.sharded.gather_hf(lambda p: p)
 
     @contextmanager
     def generation_model(self):
@@ -362,12 +346,14 @@ class MegatronEngine(TrainEngine):
 
     # ---- memory -------------------------------------------------------------------------
     def _param_modules(self) -> list:
-        return [x for x in (self.model, self.ref_model, self._gen_model) if x is not None]
+        critic = self.critic.model if self.critic is not None else None
+        return [x for x in (self.model, self.ref_model, self._gen_model, critic) if x is not None]
 
     def offload(self) -> OffloadReport:
-        """Params (and megatron's grad buffers) of the policy, reference and generation copy
-        to host; FP8 workspaces cleared on every param offload (offload_params does it via
-        engine.memory.fp8_workspaces.clear_fp8_workspaces); optimizer state to host."""
+        """Params (and megatron's grad buffers) of the policy, reference, generation copy and
+        critic (algorithm=ppo) to host; FP8 workspaces cleared on every param offload
+        (offload_params does it via engine.memory.fp8_workspaces.clear_fp8_workspaces); the
+        policy's and the critic's optimizer state to host."""
         from engine.memory.offload import combine_reports, offload_optimizer_state, offload_params
 
         reports = []
@@ -392,84 +378,26 @@ class MegatronEngine(TrainEngine):
         return combine_reports(*reports)
 
     def _optimizer_objects(self) -> list:
-        return [self.opt.megatron] if hasattr(self.opt, "megatron") else self.opt.torch_optimizers()
+        mine = [self.opt.megatron] if hasattr(self.opt, "megatron") else self.opt.torch_optimizers()
+        return mine + (self.critic.optimizer_objects() if self.critic is not None else [])
 
     # ---- checkpoints --------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """{"model": {hf name: full fp32 tensor}, "optim": flattened AdamW state by hf name}.
-        Collective over all ranks (TP gathers; DP gathers under DistributedOptimizer)."""
-        from engine.backends.megatron.hf_convert import hf_from_shards
-
-        model = self._gather_hf(lambda p: self.opt.main_param(p).float())
-        optim: dict = {}
-        hp = self.opt.group_hparams()
-        for m in self.mappings:
-            p = self._params[m.megatron_name]
-            st = self.opt.state(p) or self.opt.state_template(p)
-            step = torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(())
-            for key, v in st.items():
-                if key == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
-                    continue
-                v = v.detach().float().to(self.device)
-                if self.tp_size > 1:
-                    parts = [torch.empty_like(v) for _ in range(self.tp_size)]
-                    dist.all_gather(parts, v.contiguous(), group=self.tp_group)
-                else:
-                    parts = [v]
-                for name, full in hf_from_shards(m, parts, self.arch).items():
-                    optim[f"state.{name}.{key}"] = full.cpu()
-            for name in m.hf_names:
-                optim[f"state.{name}.step"] = step.clone()
-                for k, v in hp.items():
-                    optim[f"param_groups.{name}.{k}"] = v
-        return {"model": model, "optim": optim}
+        """{"model": {hf name: full fp32 tensor}, "optim": flattened AdamW state by hf name}, and
+        the critic's under "critic" (algorithm=ppo). Collective over all ranks (TP gathers; DP
+        gathers under DistributedOptimizer). Layout: sharded_state.py."""
+        state = self.sharded.checkpoint_state(self.opt)
+        if self.critic is not None:
+            state["critic"] = self.critic.checkpoint_state()
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
-        """Slice this rank's TP shard out of the full tensors DCP loaded. Optimizer entries a
-        checkpoint lacks (``optimizer.param_state`` false, dropped by the loader) keep the live
-        optimizer's state."""
-        from engine.backends.megatron.hf_convert import shard_from_hf
-
-        model, optim = state.get("model", {}), state.get("optim", {})
-        for m in self.mappings:
-            p = self._params[m.megatron_name]
-            if all(n in model for n in m.hf_names):
-                full = {n: model[n] for n in m.hf_names}
-                local = shard_from_hf(m, full, self.arch, self.tp_rank, self.tp_size)
-                with torch.no_grad():
-                    self.opt.set_main_param(p, local.to(self.device, torch.float32))
-            first = m.hf_names[0]
-            keys = sorted({k[len(f"state.{first}."):] for k in optim if k.startswith(f"state.{first}.")})
-            tensor_keys = [k for k in keys if k != "step"]
-            if "step" not in keys or not all(f"state.{n}.{k}" in optim for n in m.hf_names for k in keys):
-                continue
-            values = {k: shard_from_hf(m, {n: optim[f"state.{n}.{k}"] for n in m.hf_names}, self.arch,
-                                       self.tp_rank, self.tp_size).float() for k in tensor_keys}
-            values["step"] = torch.as_tensor(optim[f"state.{first}.step"], dtype=torch.float32).reshape(()).clone()
-            self.opt.set_state(p, values)
-        groups = {k.split(".")[-1]: v for k, v in optim.items() if k.startswith("param_groups.")}
-        if groups:
-            self.opt.set_group_hparams(groups)
+        """Slice this rank's TP shard out of the full tensors DCP loaded."""
+        self.sharded.load_checkpoint_state(self.opt, state)
+        if self.critic is not None:
+            self.critic.load_checkpoint_state(state["critic"])
         self._gen_stale = True
 
     def optimizer_coverage(self) -> dict[str, bool]:
         """Collective-free (rank 0 alone calls it): HF name -> does AdamW hold state for it."""
-        return {name: self.opt.has_state(self._params[m.megatron_name])
-                for m in self.mappings for name in m.hf_names}
-
-
-def _hf_shape(name: str, kind: str, p: torch.Tensor, arch, tp: int) -> tuple[int, ...]:
-    """Full HF shape of ``name`` from its megatron shard ``p``."""
-    a = arch
-    if kind == "replicated":
-        return tuple(p.shape)
-    if kind == "vocab":
-        return (a.vocab_size, a.hidden_size)
-    if kind == "row":
-        return (p.shape[0], p.shape[1] * tp)
-    if kind == "fc1":
-        return (a.intermediate_size, a.hidden_size)
-    if kind == "qkv":
-        rows = a.num_heads * a.head_dim if ".q_proj." in name else a.num_kv_heads * a.head_dim
-        return (rows,) + tuple(p.shape[1:])
-    raise ValueError(kind)
+        return self.sharded.optimizer_coverage(self.opt)
