@@ -1,5 +1,7 @@
 """What every logger implements. The fan-out (fanout.py) calls these from one thread, in
-step order; ``open`` gives each logger the run directory and where a resume continues."""
+step order, in bursts: every step and sample row queued since the last burst, then
+``flush`` (hand what the logger still holds to its library); ``close`` at the run's end.
+The constructor gets the run directory and where a resume continues (``LoggerContext``)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ class Logger:
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         raise NotImplementedError
+
+    def flush(self) -> None:
+        """End of a burst: send what this logger batched (MLflow); a no-op for the others."""
 
     def close(self, failed: bool = False) -> None:
         raise NotImplementedError

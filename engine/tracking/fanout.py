@@ -4,8 +4,14 @@ metrics.jsonl and samples.jsonl are written in the caller's thread (they are the
 record and must be on disk before the step's checkpoint). TensorBoard, wandb and MLflow run
 in one background thread, fed by a queue in step order: opening them (imports, wandb's
 service, MLflow's database) overlaps with the ranks starting, and their per-step cost stays
-off the training loop. An error in a logger is raised in the trainer's thread at the next
-event (or at close) as a UserError naming the logger.
+off the training loop. The thread works in bursts: it waits BURST_S seconds after the first
+event of a burst, then hands every logger all the steps queued meanwhile and flushes them
+(MLflow: one SQL transaction for the burst). So the loggers wake every few seconds, not at
+every step boundary, when the ranks pick their thread count for the next phase
+(engine/threads.adapt_threads counts the runnable tasks). ``wait_idle`` and ``close`` end a
+burst at once; ``close`` (also after a failed or interrupted run) drains the queue, so every
+queued step reaches every logger exactly once. An error in a logger is raised in the
+trainer's thread at the next event (or at close) as a UserError naming the logger.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from engine.tracking.samples import append_samples
 from engine.trainer.events import PhaseFinished, Samples, StepRecord, Validation
 
 BACKGROUND = ("tensorboard", "wandb", "mlflow")
+BURST_S = 5.0   # the loggers get a step at most this many seconds after it ends (and at close)
 PHASE_METRICS = ("save_checkpoint", "validation")  # phases whose time is logged as perf/time/<phase>
 
 
@@ -41,8 +48,10 @@ def open_logger(name: str, ctx: LoggerContext) -> Logger:
 
 
 class Tracking:
-    def __init__(self, cfg, run_dir: Path, *, resume_step: int | None = None, logged_through: int = -1):
+    def __init__(self, cfg, run_dir: Path, *, resume_step: int | None = None, logged_through: int = -1,
+                 burst_s: float = BURST_S):
         run_dir = Path(run_dir)
+        self.burst_s = burst_s
         self.run_dir = run_dir
         names = list(cfg.trainer.loggers)
         self.jsonl = JsonlLogger(run_dir) if "jsonl" in names else None
@@ -150,30 +159,51 @@ class Tracking:
                 self._fail(name, err)
                 break
         while True:
-            kind, step, payload = self._queue.get()
+            burst = self._next_burst()
+            kind, step, payload = burst[-1]
+            self._log(burst if kind in ("metrics", "samples") else burst[:-1])
             if kind == "idle":
                 payload.set()
-                continue
-            if kind == "close":
+            elif kind == "close":
                 for lg in self.loggers:
                     try:
                         lg.close(failed=bool(step))
                     except BaseException as err:  # noqa: BLE001
                         self._fail(lg.name, err)
                 return
-            if self._error is not None:
-                continue  # a logger failed: drain until close
-            t0 = time.perf_counter()
-            for lg in self.loggers:
-                try:
+
+    def _next_burst(self) -> list:
+        """Block for the next event, then collect what arrives within BURST_S; an ``idle`` or
+        ``close`` message ends the burst at once (it is the burst's last item)."""
+        burst = [self._queue.get()]
+        deadline = time.monotonic() + self.burst_s
+        while burst[-1][0] not in ("idle", "close"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                burst.append(self._queue.get(timeout=left))
+            except queue.Empty:
+                break
+        return burst
+
+    def _log(self, events: list) -> None:
+        """Every event of a burst to every logger, in order, then each logger's flush."""
+        if self._error is not None or not events:
+            return  # a logger failed: drain until close
+        t0 = time.perf_counter()
+        for lg in self.loggers:
+            try:
+                for kind, step, payload in events:
                     if kind == "metrics":
                         lg.log_metrics(step, payload)
                     else:
                         lg.log_samples(step, payload)
-                except BaseException as err:  # noqa: BLE001
-                    self._fail(lg.name, err)
-                    break
-            self.background_s += time.perf_counter() - t0
+                lg.flush()
+            except BaseException as err:  # noqa: BLE001
+                self._fail(lg.name, err)
+                break
+        self.background_s += time.perf_counter() - t0
 
     def _fail(self, name: str, err: BaseException) -> None:
         if self._error is None:

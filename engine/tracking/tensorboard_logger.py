@@ -9,11 +9,6 @@ from __future__ import annotations
 from engine.tracking.base import SAMPLE_COLUMNS, Logger, LoggerContext
 
 
-def scalar(tag: str, value: float):
-    from torch.utils.tensorboard.summary import scalar as _scalar
-
-    return _scalar(tag, value)
-
 LOG_SUBDIR = "tensorboard"
 
 
@@ -32,10 +27,15 @@ class TensorBoardLogger(Logger):
         self.writer = SummaryWriter(log_dir=str(ctx.run_dir / LOG_SUBDIR), purge_step=purge, flush_secs=30)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        # one event holding every scalar of the step (what add_scalar writes, one value each):
-        # ~0.3 ms of CPU per step instead of ~1.9 ms for ~45 separate events
-        values = [scalar(k, v).value[0] for k, v in metrics.items()]
+        # one event holding every scalar of the step, each the value add_scalar writes
+        # (``Summary.Value(tag, simple_value)``, built here without add_scalar's per-value
+        # tensor conversion): ~0.1 ms of CPU per step instead of ~1.9 ms for ~35 separate events
+        Value = self._Summary.Value
+        values = [Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
         self.writer._get_file_writer().add_summary(self._Summary(value=values), global_step=step)
+
+    def flush(self) -> None:
+        self.writer.flush()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         self.writer.add_text("samples", markdown_table(rows), global_step=step)

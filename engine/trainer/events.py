@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -75,10 +76,12 @@ class StepRecord:
     driver_bytes: dict = field(default_factory=dict)  # {"sent", "received"}: pickled bytes of the step's rank calls
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d.pop("memory")   # written to memory.jsonl, not metrics.jsonl
-        d.pop("samples")  # written to samples.jsonl
-        return d
+        """The metrics.jsonl row: every field but memory (memory.jsonl) and samples
+        (samples.jsonl), left out before the copy (asdict then pop copied them: ~0.8 ms a step)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_IN_ROW}
+
+
+_NOT_IN_ROW = ("memory", "samples")
 
 
 @dataclass
