@@ -355,7 +355,7 @@ def test_off_written_unquoted_in_yaml_still_means_off():
 def test_moe_grpo_run_with_replay_learns_logs_routing_and_resumes(tmp_path):
     """`rl train` on a tiny Mixtral with algorithm.router_replay=replay learns the default task
     (last-10 reward at least 2x the first 10), logs the routing metrics each step (replayed gap
-    ~0), and `rl resume` continues it from its DCP checkpoint."""
+    ~0), `rl inspect-ckpt` shows its checkpoint's experts and `rl resume` continues it."""
     import json
 
     from tests.cli_utils import rl
@@ -372,6 +372,8 @@ def test_moe_grpo_run_with_replay_learns_logs_routing_and_resumes(tmp_path):
         algo = row["algo"]
         assert 0.0 <= algo["routing_mismatch"] <= 1.0
         assert algo["logp_gap_replay"] < 1e-4 and algo["logp_gap_no_replay"] >= 0
+    shown = rl("inspect-ckpt", str(d / "step_30"), "--json")     # the DCP checkpoint: experts per layer
+    assert json.loads(shown.stdout)["info"]["experts"]["experts_per_layer"] == 8
     again = rl("resume", str(d), "trainer.total_steps=32", "--json")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["last_step"] == 32

@@ -30,12 +30,17 @@ def inspect_path(path: Union[str, Path], *, verify: bool = False) -> Union[Check
     p = Path(path)
     fmt = detect(p)
     reader, what = READERS[fmt]
-    if not verify:
-        return reader(p, display=str(path))
-    if fmt not in VERIFIABLE:
+    if verify and fmt not in VERIFIABLE:
         raise UserError(f"--verify checks rl checkpoints against the content hashes their manifest records; "
                         f"{path} is a {what}, which records none. Drop --verify.", title="nothing to verify")
-    return reader(p, display=str(path), verify=True)
+    rep = reader(p, display=str(path), verify=True) if verify else reader(p, display=str(path))
+    if isinstance(rep, CheckpointReport):
+        from engine.inspect.experts import expert_summary
+
+        moe = expert_summary(rep.tensors)
+        if moe is not None:  # mixture of experts: experts per layer, expert and router parameters
+            rep.info["experts"] = moe
+    return rep
 
 
 def inspect_checkpoint(path: Union[str, Path], *, verify: bool = False) -> CheckpointReport:

@@ -98,6 +98,7 @@ class ModelStructure:
     layer_replicated: list                 # of which not split by TP (norms)
     layer_linear: list                     # of which nn.Linear weights (TE FP8 copies them)
     other: int = 0                         # anything else (replicated)
+    moe: Optional[dict] = None             # mixture of experts: layers, experts, top_k, expert/router params
 
     @property
     def largest_layer(self) -> int:
@@ -174,7 +175,26 @@ def _structure_from_hf_config(hf_cfg, source: str, dims: ModelDims) -> ModelStru
         else:
             other += n
     total = sum(p.numel() for p in model.parameters())
-    return ModelStructure(source, dims, total, embed, lm_head, final_norm, layer, layer_rep, layer_lin, other)
+    return ModelStructure(source, dims, total, embed, lm_head, final_norm, layer, layer_rep, layer_lin, other,
+                          moe=_moe_structure(model))
+
+
+def _moe_structure(model) -> Optional[dict]:
+    """Experts and routers of a (meta-device) MoE model; None for a dense one."""
+    from engine.moe.routers import find_routers, moe_layout
+
+    layout = moe_layout(model)
+    if layout is None:
+        return None
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared_expert" not in n)
+    routers = sum(p.numel() for _, r in find_routers(model) for p in r.parameters())
+    return {"moe_layers": layout.layers, "experts_per_layer": layout.num_experts, "top_k": layout.top_k,
+            "expert_params": experts, "router_params": routers}
+
+
+def routing_record_bytes(moe: dict, tokens: int) -> int:
+    """Bytes of int16 routing records (algorithm.router_replay) for ``tokens`` tokens."""
+    return tokens * moe["moe_layers"] * moe["top_k"] * 2
 
 
 def model_structure(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[str] = None,
@@ -663,13 +683,22 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
                      "split by TP (and SP); the most-loaded pipeline stage is reported")
     if run_cfg.rollout.name == "vllm" and not device_memory_bytes:
         notes.append("vLLM KV cache shown as what the batch needs; give the device size to see vLLM's pool")
+    moe = None
+    if st.moe is not None:
+        sh = cur["shapes"]
+        moe = dict(st.moe, router_replay=run_cfg.algorithm.router_replay,
+                   routing_bytes_rollout_batch=routing_record_bytes(st.moe, sh.seqs_per_step * sh.seq_len),
+                   routing_bytes_micro_batch=routing_record_bytes(st.moe, sh.micro_tokens))
+        notes.append("mixture of experts: every expert's parameters are counted (all experts live on every "
+                     "rank); activations use the dense per-layer formula with config intermediate_size, a rough "
+                     "figure for routed MLPs")
     return MemoryEstimate(
         model=st.source, param_count=st.total, model_bytes=cur["model_bytes"], backend=lay.backend,
         layout={"nprocs": lay.nprocs, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp},
         dtype=run_cfg.model.dtype, assumptions=cur["assumptions"], per_rank=cur["per_rank"],
         phases=cur["phases"], peak_phase=cur["peak"].phase, peak_bytes=cur["peak"].total,
         device_memory_bytes=device_memory_bytes, offload_matrix=matrix, fixes=fixes[:5],
-        formulas=cur["formulas"], notes=notes)
+        formulas=cur["formulas"], notes=notes, moe=moe)
 
 
 def _local_device_memory() -> Optional[int]:

@@ -150,6 +150,8 @@ class MemoryEstimate(_JSON):
     fixes: list                            # [Fix], best first
     formulas: dict                         # category -> how it was computed
     notes: list = field(default_factory=list)
+    moe: Optional[dict] = None             # mixture of experts: experts, expert/router params, routing
+                                           # record bytes (per rollout batch on host, per micro-batch on device)
 
     def phase(self, name: str) -> Optional[PhaseEstimate]:
         return next((p for p in self.phases if p.phase == name), None)

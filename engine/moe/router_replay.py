@@ -51,7 +51,7 @@ class RouterReplay:
         self.layout: MoELayout = layout
         self._captured: list = [None] * layout.layers
         self._capture = False
-        self._replay: torch.Tensor | None = None   # [N, L, k] long on the model's device
+        self._replay: torch.Tensor | None = None   # [N, L, k] int16 on the model's device
         self._use: torch.Tensor | None = None      # [N] bool: token has a record
         self._handles = [m.register_forward_hook(self._hook(i))
                          for i, (_, m) in enumerate(find_routers(model))]
@@ -71,7 +71,7 @@ class RouterReplay:
                 self._captured[layer] = indices.detach()
             if self._replay is None:
                 return None
-            rec = self._replay[:, layer]
+            rec = self._replay[:, layer].to(indices.dtype)
             if rec.shape != indices.shape:
                 raise RuntimeError(f"routing records for {rec.shape[0]} tokens x top-{rec.shape[1]} do not match "
                                    f"the router's {tuple(indices.shape)} in layer {layer}: the records must be laid "
@@ -111,7 +111,7 @@ class RouterReplay:
         flat = records.reshape(-1, L, k)
         device = device if device is not None else records.device
         use = has_record(flat).to(device)            # [N, L]
-        self._replay = flat.to(device=device, dtype=torch.long)
+        self._replay = flat.to(device=device)  # int16 on the device: 2 B per token, layer and k
         # a token replays where its record is real in every layer (records are written per
         # token for all layers at once); padding has none in any layer
         self._use = use.all(-1)

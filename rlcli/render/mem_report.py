@@ -70,6 +70,16 @@ def summary_table(rep) -> Table:
         t.add_row("model", f"{est.model}  ({est.param_count:,} params, {human_bytes(est.model_bytes)} "
                            f"in {est.dtype})")
         t.add_row("layout", f"{est.backend}, {lay['nprocs']} rank{'s' if lay['nprocs'] > 1 else ''} ({par})")
+        moe = getattr(est, "moe", None)
+        if moe:
+            share = moe["expert_params"] / max(1, est.param_count)
+            t.add_row("experts", f"{moe['experts_per_layer']} per layer x {moe['moe_layers']} MoE layers, top-"
+                                 f"{moe['top_k']}; {moe['expert_params']:,} expert params ({share:.0%}), "
+                                 f"{moe['router_params']:,} router params")
+            t.add_row("routing records", f"int16 \\[tokens, {moe['moe_layers']}, {moe['top_k']}]: "
+                                         f"{human_bytes(moe['routing_bytes_rollout_batch'])} per rank's rollout batch "
+                                         f"(host), {human_bytes(moe['routing_bytes_micro_batch'])} per micro-batch "
+                                         f"(device, replay) — algorithm.router_replay={moe['router_replay']}")
         a = est.assumptions
         basis = getattr(rep, "seq_len_source", "")
         basis = {"kv_cache": " (the run's, from its KV cache)", "metrics": " (the run's micro-batches)",
