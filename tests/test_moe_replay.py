@@ -320,6 +320,7 @@ def test_update_with_replay_and_gradient_checkpointing_replays_in_the_recompute(
     (["algorithm.router_replay=record", "--engine", "megatron"], "fsdp engine only"),
     (["algorithm.router_replay=replay"], "tiny built-in model is dense"),
     (["algorithm.router_replay=replays"], "did you mean"),
+    (["algorithm.router_replay=replay", "engine.compile=true"], "engine.compile=false"),
 ])
 def test_router_replay_refused_clearly_where_it_cannot_run(overrides, needle, tmp_path):
     """vLLM rollouts (no routing returned), the megatron engine and dense models are refused at

@@ -299,5 +299,11 @@ def check_cross_field(cfg: RunConfig) -> None:
                 f"`algorithm.router_replay={cfg.algorithm.router_replay}` replays routing in the fsdp engine "
                 f"only (engine={e.name}). Use --engine fsdp, or set algorithm.router_replay=off.",
                 title="invalid config")
+        if e.compile:
+            raise ConfigError(
+                f"`algorithm.router_replay={cfg.algorithm.router_replay}` with `engine.compile=true` is not "
+                f"supported yet: the routers' record/replay hooks switch per forward, which a compiled graph "
+                f"would not follow. Set engine.compile=false, or algorithm.router_replay=off.",
+                title="invalid config")
     # whether this machine can run the config (CUDA, FP8 hardware) is checked where torch is
     # already loaded: engine.device.check_device_config, before a run starts
