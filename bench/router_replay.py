@@ -17,6 +17,9 @@ routing: the fp32 model rolls out, but its routers pick their top-k from bf16-ro
 (gate weights from the fp32 logits): routing is then the only difference, and replay closes
 the gap to ~0. What replay leaves of the bf16 gap is precision, not routing.
 
+It also times, in the same run (CPU seconds of this process, min of --repeats): the rollout
+with and without recording, and the trainer's log-prob pass with and without replay.
+
     python bench/router_replay.py                         # ~1 min on a 2-core machine
     python bench/router_replay.py --arch qwen3_moe --experts 64 --top-k 4
 """
@@ -76,6 +79,34 @@ def _bf16_choice(router, args, out):
     return logits, gate_weights(router, logits, idx, scores.dtype), idx
 
 
+def _timings(eng, cfg, tok, prompts, args, TorchSampler) -> dict:
+    """Rollout with/without recording and the log-prob pass with/without replay, same batch."""
+    import time
+
+    def best(fn):
+        times = []
+        for _ in range(args.repeats):
+            t = time.process_time()
+            fn()
+            times.append(time.process_time() - t)
+        return min(times)
+
+    out, batch = {}, None
+    for name, record in (("rollout", False), ("rollout_record", True)):
+        sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, eng.device, record_routing=record)
+
+        def roll():
+            nonlocal batch
+            with eng.generation_model() as m:
+                batch = sampler.generate(m, prompts, args.n, torch.Generator().manual_seed(args.seed))
+        out[name] = best(roll)
+    plain = batch.select(slice(0, len(batch)))
+    plain.routed_experts = None  # no records: the engine's own routing
+    out["log_probs"] = best(lambda: eng.compute_log_probs(plain))
+    out["log_probs_replay"] = best(lambda: eng.compute_log_probs(batch))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="mixtral")
@@ -87,6 +118,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -125,12 +157,17 @@ def main() -> None:
             for h in hooks:
                 h.remove()
         rows.append(("bf16 top-k only", batch, summarize(RoutingSums(**eng.routing_report(batch)))))
+        timing = _timings(eng, cfg, tok, prompts, args, TorchSampler)
         bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True,
                                                     attn_implementation="sdpa").eval()
         attach(bf16)
         batch = sampler.generate(bf16, prompts, args.n, torch.Generator().manual_seed(args.seed))
         rows.append(("bf16", batch, summarize(RoutingSums(**eng.routing_report(batch)))))
 
+    print("overhead (CPU s, min of %d): rollout %.3f -> %.3f recording (%.2fx); log-prob pass %.3f -> %.3f "
+          "replaying (%.2fx)" % (args.repeats, timing["rollout"], timing["rollout_record"],
+                                 timing["rollout_record"] / timing["rollout"], timing["log_probs"],
+                                 timing["log_probs_replay"], timing["log_probs_replay"] / timing["log_probs"]))
     print(f"{args.arch}: {args.experts} experts, top-{args.top_k}, {args.layers} layers, hidden {args.hidden}; "
           f"{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens; trainer fp32")
     head = (f"{'rollout':<16} {'resp tok':>8} {'mismatch':>9} {'per layer':>9} {'|dlogp| own':>12} "
