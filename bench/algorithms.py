@@ -38,7 +38,9 @@ def run_one(estimator: str, seed: int, args, work: Path) -> dict:
         raise SystemExit(f"{estimator} seed {seed} failed:\n{r.stderr[-3000:]}")
     s = json.loads(r.stdout)
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    val = [r for r in rows if r.get("val_reward") is not None]
     return {"estimator": estimator, "seed": seed, "val_before": s["val_before"], "val_after": s["val_after"],
+            "val_reward_after": val[-1]["val_reward"] if val else None,
             "reward_first10": s["reward_first10"], "reward_last10": s["reward_last10"],
             "wall_time_s": s["wall_time_s"], "process_s": time.perf_counter() - t0,
             "entropy_last": rows[-1]["entropy"], "truncated_last": rows[-1].get("truncated_frac"),
@@ -46,9 +48,9 @@ def run_one(estimator: str, seed: int, args, work: Path) -> dict:
 
 
 def table(results: list[dict], estimators: list[str]) -> str:
-    lines = ["| estimator | held-out accuracy, median (per seed) | train reward last 10, median | "
-             "wall time s, median | alarms raised |",
-             "|---|---|---|---|---|"]
+    lines = ["| estimator | held-out accuracy, median (per seed) | held-out reward, median | "
+             "train reward last 10, median | wall time s, median | alarms raised |",
+             "|---|---|---|---|---|---|"]
     for e in estimators:
         rs = [r for r in results if r["estimator"] == e]
         if not rs:
@@ -56,7 +58,9 @@ def table(results: list[dict], estimators: list[str]) -> str:
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
         per = ", ".join(f"{r['val_after']:.3f}" for r in rs)
         alarms = sorted({a for r in rs for a in r["alarms"]})
-        lines.append(f"| `{e}` | **{med('val_after'):.3f}** ({per}) | {med('reward_last10'):.3f} | "
+        vr = [r["val_reward_after"] for r in rs if r.get("val_reward_after") is not None]
+        vr_txt = f"{statistics.median(vr):.3f}" if vr else "-"
+        lines.append(f"| `{e}` | **{med('val_after'):.3f}** ({per}) | {vr_txt} | {med('reward_last10'):.3f} | "
                      f"{med('wall_time_s'):.0f} | {', '.join(alarms) or '-'} |")
     return "\n".join(lines)
 

@@ -20,3 +20,17 @@ def test_sort_task_splits_and_answers():
     for e in t.train[:20]:
         assert e.answer == "".join(sorted(e.prompt.rstrip(":")))
     assert make_task(TaskConfig(name="sort", num_train=200, num_val=30), seed=3).train == t.train
+
+
+def test_sort_length_sets_the_difficulty():
+    """task.sort_length: prompts of that many digits, still never trained on held-out ones; a
+    held-out set that covers every possible prompt is refused, not looped on."""
+    import pytest
+
+    from engine.errors import ConfigError
+
+    t = make_task(TaskConfig(name="sort", sort_length=2, num_train=50, num_val=20), seed=1)
+    assert {len(e.prompt) for e in t.train + t.val} == {3}
+    assert not {e.prompt for e in t.train} & {e.prompt for e in t.val}
+    with pytest.raises(ConfigError, match="sort_length"):
+        make_task(TaskConfig(name="sort", sort_length=2, num_train=5, num_val=5000), seed=1)

@@ -88,6 +88,8 @@ class TaskConfig:
     num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1, max=1_000_000)
     num_val: int = _f(64, "held-out prompts: generated (built-in tasks) or taken from the data (at most)", min=0,
                       max=100_000)
+    sort_length: int = _f(4, "task=sort: digits per prompt (its difficulty: 2 is easy, 4 the default)", min=2,
+                          max=12)
     chat_template: bool = _f(False, "wrap text prompts in the tokenizer's chat template (message prompts always "
                                     "use it)")
     allow_dataset_change: bool = _f(False, "rl resume: continue although the dataset differs from the one the "

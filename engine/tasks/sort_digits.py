@@ -1,4 +1,4 @@
-"""Built-in task ``sort``: sort four digits ('5281:' -> '1258').
+"""Built-in task ``sort``: sort ``task.sort_length`` digits (default four: '5281:' -> '1258').
 
 Harder than ``echo`` for a random-init tiny model: every output position depends on the
 whole prompt (the k-th smallest digit), and the response must stop after exactly as many
@@ -13,9 +13,10 @@ import random
 import string
 
 from engine.config.schema import TaskConfig
+from engine.errors import ConfigError
 from engine.tasks.base import Example, Task
 
-SORT_LENGTH = 4
+SORT_LENGTH = 4   # the default of task.sort_length
 
 
 def sort_reward(prompt: str, response: str, answer: str) -> float:
@@ -33,13 +34,18 @@ def sort_correct(prompt: str, response: str, answer: str) -> bool:
 def make_sort_task(cfg: TaskConfig, seed: int) -> Task:
     """Held-out prompts are drawn first; training prompts never repeat a held-out digit string."""
     rng = random.Random(seed)
+    length = getattr(cfg, "sort_length", SORT_LENGTH)
 
     def sample() -> Example:
-        digits = "".join(rng.choice(string.digits) for _ in range(SORT_LENGTH))
+        digits = "".join(rng.choice(string.digits) for _ in range(length))
         return Example(prompt=f"{digits}:", answer="".join(sorted(digits)))
 
     val = [sample() for _ in range(cfg.num_val)]
     held_out = {e.prompt for e in val}
+    if len(held_out) >= 10 ** length:
+        raise ConfigError(f"task.num_val={cfg.num_val} holds out every one of the {10 ** length} prompts of "
+                          f"task.sort_length={length}, leaving none to train on; lower task.num_val or raise "
+                          f"task.sort_length.", title="invalid config")
     train: list[Example] = []
     while len(train) < cfg.num_train:
         e = sample()
