@@ -291,28 +291,68 @@ def test_over_255_experts_round_trip_through_a_2_rank_gloo_all_gather(tmp_path):
             assert got.dtype == torch.int16 and torch.equal(got, want)
 
 
-def _step(rank, world, path, ckpt):
+def _step(rank, world, path, ckpt, share=False):
     from engine.algorithms.policy_loss import PolicyLoss
 
     tok = char_tokenizer()
     torch.manual_seed(0)
     cfg, eng = _engine(path, tok, "algorithm.router_replay=replay",
                        f"engine.gradient_checkpointing={str(ckpt).lower()}")
+    eng.share_prompts = share
     batch = _rollout(cfg, eng, tok, seed=0, perturb=True)
     batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))[:, None] \
         * batch.response_mask
+    if share:  # the grouped layout runs (4 prompts x 3 samples share prompts), except under checkpointing,
+        assert (eng._groups(batch) is None) == ckpt  # where transformers turns the prompt's KV cache off
     stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
     return stats.replicated["grad_norm"], eng.export_hf_state_dict()
 
 
 def test_update_with_replay_and_gradient_checkpointing_replays_in_the_recompute(moe_dirs):
     """Gradient checkpointing recomputes each block's forward during backward; the records stay
-    bound through backward, so the update equals the one without checkpointing."""
+    bound through backward, so the update equals the one without checkpointing. (Prompt sharing
+    steps aside under checkpointing: it used to crash on the KV cache transformers drops.)"""
     (n0, w0), = run_ranks(_step, 1, moe_dirs["mixtral"], False)
-    (n1, w1), = run_ranks(_step, 1, moe_dirs["mixtral"], True)
+    (n1, w1), = run_ranks(_step, 1, moe_dirs["mixtral"], True, True)  # share_prompts on, as by default
     assert n0 > 0 and abs(n0 - n1) < 1e-5 * max(1.0, n0)
     for k in w0:
         assert torch.allclose(w0[k], w1[k], atol=1e-6), k
+
+
+def test_prompt_shared_update_replays_like_the_plain_forward(moe_dirs):
+    """The update's prompt-grouped layout (each prompt once, then the responses against its KV
+    cache) replays the prompt and response records in their own forwards: the same update as
+    the plain [b, T] forward (tolerance as tests/test_rollout_speed_update.py)."""
+    (n0, w0), = run_ranks(_step, 1, moe_dirs["qwen3_moe"], False, False)
+    (n1, w1), = run_ranks(_step, 1, moe_dirs["qwen3_moe"], False, True)
+    assert n0 > 0 and abs(n0 - n1) < 1e-5 * max(1.0, n0), (n0, n1)
+    for k in w0:
+        assert torch.allclose(w0[k], w1[k], atol=2e-5), (k, (w0[k] - w1[k]).abs().max())
+
+
+def test_grouped_records_follow_the_grouped_layout():
+    """Prompt records left-padded from each prompt's first row, response records at the response
+    columns, no record on padding."""
+    from engine.batch import SequenceBatch
+    from engine.batching.prompt_groups import group_prompts, group_records
+
+    ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0], [4, 3, 3, 2, 1]])
+    attn = (ids > 0).long()
+    attn[2] = 1
+    plen = torch.tensor([2, 2, 1])
+    r, t, layer = torch.meshgrid(torch.arange(3), torch.arange(5), torch.arange(3), indexing="ij")
+    first = r * 100 + t * 10 + layer                                 # distinct per row, token, layer
+    rec = torch.stack([first, first + 1000], -1).to(torch.int16)    # [3, 5, 3, 2]
+    rec = torch.where(attn.bool()[..., None, None], rec, torch.full_like(rec, NO_RECORD))
+    b = SequenceBatch(input_ids=ids, attention_mask=attn, response_mask=attn.float(), prompt_lengths=plen,
+                      routed_experts=rec)
+    g = group_prompts(b, 0)
+    prompts, responses = group_records(rec, g)
+    assert prompts.shape == (2, 2, 3, 2) and responses.shape == (3, 4, 3, 2)
+    assert torch.equal(prompts[0], rec[0, :2])                 # [5, 6]: from row 0, not row 1
+    assert not has_record(prompts[1, 0]).any() and torch.equal(prompts[1, 1], rec[2, 0])  # [4], left-padded
+    assert torch.equal(responses[1, :1], rec[1, 2:3]) and not has_record(responses[1, 1:]).any()
+    assert torch.equal(responses[2], rec[2, 1:5])
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -110,21 +110,37 @@ class FSDPEngine(TrainEngine):
 
     def _share_prompts(self) -> bool:
         """The grouped forward runs the model twice per micro-batch: not with a compiled forward
-        (it would bypass it) or activation offload (its hooks expect one forward)."""
+        (it would bypass it), activation offload (its hooks expect one forward) or gradient
+        checkpointing (transformers drops the prompt's KV cache in training then)."""
         return (self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
-                and not self._replays())  # replay binds records to one [b, T] forward
+                and not self.cfg.engine.gradient_checkpointing)  # HF turns the KV cache off under it
 
     def _replays(self) -> bool:
         return self.router_replay is not None and self.cfg.algorithm.router_replay == "replay"
 
-    def _replay(self, mb: SequenceBatch, model=None):
+    def _replay(self, mb: SequenceBatch, model=None, groups=None):
         """Replay ``mb``'s routing records in the policy's forwards (and backward's recomputation)
-        inside the context, when algorithm.router_replay=replay; else nothing."""
+        inside the context, when algorithm.router_replay=replay; else nothing. ``groups``: the
+        prompt-grouped layout's two forwards (prompts, then responses) get theirs."""
         from contextlib import nullcontext
 
         if not self._replays() or mb.routed_experts is None or (model is not None and model is not self.model):
             return nullcontext()
+        if groups is not None:
+            from engine.batching.prompt_groups import group_records
+
+            return self.router_replay.replaying(*group_records(mb.routed_experts, groups), device=self.device)
         return self.router_replay.replaying(mb.routed_experts, device=self.device)
+
+    def _groups(self, mb: SequenceBatch):
+        """The prompt-grouped layout of ``mb`` (None: plain forward). Replay tells the grouped
+        forwards apart by token count, so equal counts take the plain forward."""
+        if not self._share_prompts():
+            return None
+        groups = group_prompts(mb, self.pad_token_id)
+        if groups is not None and self._replays() and groups.prompt_ids.numel() == groups.response_ids.numel():
+            return None
+        return groups
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -244,8 +260,8 @@ class FSDPEngine(TrainEngine):
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             # GRPO groups: each distinct prompt computed once (engine/batching/prompt_groups.py)
-            groups = group_prompts(mb.batch, self.pad_token_id) if self._share_prompts() else None
-            with self._replay(mb.batch):  # through backward: checkpointing recomputes with the same experts
+            groups = self._groups(mb.batch)
+            with self._replay(mb.batch, groups=groups):  # through backward: checkpointing recomputes them too
                 with self._measure("activations") as meter:
                     if self.activation_offload is not None:  # what stays on the device is counted there
                         self.activation_offload.meter = meter

@@ -91,3 +91,28 @@ def to_response_columns(batch: SequenceBatch, groups: PromptGroups) -> SequenceB
     out["attention_mask"] = valid
     out["prompt_lengths"] = torch.zeros_like(batch.prompt_lengths)
     return SequenceBatch(**out, extras=dict(batch.extras))
+
+
+def group_records(routed: torch.Tensor, groups: PromptGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [b, T, L, k] routing records of a micro-batch (engine/moe/routing_records.py) laid out
+    like the grouped forwards: prompts [u, P, L, k] left-padded (from each prompt's first row:
+    rows sharing a prompt shared its prefill in the rollout) and responses [b, R, L, k]; padding
+    holds no record."""
+    from engine.moe.routing_records import NO_RECORD
+
+    u, P = groups.prompt_ids.shape
+    tail = tuple(routed.shape[2:])
+    prompts = routed.new_full((u, P) + tail, NO_RECORD)
+    plen = groups.prompt_mask.sum(-1)
+    seen = set()
+    for row, k in enumerate(groups.owner.tolist()):
+        if k not in seen:
+            seen.add(k)
+            n = int(plen[k])
+            prompts[k, P - n:] = routed[row, :n]
+    cols = groups.cols
+    idx = cols.reshape(cols.shape + (1,) * len(tail)).expand(cols.shape + tail)
+    responses = routed.gather(1, idx)
+    valid = groups.response_mask.bool().reshape(cols.shape + (1,) * len(tail))
+    responses = torch.where(valid, responses, torch.full_like(responses, NO_RECORD))
+    return prompts, responses

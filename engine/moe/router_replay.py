@@ -12,7 +12,10 @@ hooks do nothing. Inside:
   the router's own logits at those indices, exactly as the router computes them (softmax in
   fp32, gather, renormalise when the router does, cast to the router's output dtype), so the
   router still receives gradients; tokens without a record (padding) keep the router's choice.
-  The router's own choice is captured as well, for the routing-mismatch metrics.
+  The router's own choice is captured as well, for the routing-mismatch metrics. Several
+  record tensors can be bound at once for forwards of different token counts (the prompt-shared
+  update runs the prompts, then the responses); each router call takes the one matching its
+  token count.
 
 The records stay bound until the context exits, so gradient checkpointing's recomputation in
 backward replays the same experts: keep the backward inside the context.
@@ -51,8 +54,8 @@ class RouterReplay:
         self.layout: MoELayout = layout
         self._captured: list = [None] * layout.layers
         self._capture = False
-        self._replay: torch.Tensor | None = None   # [N, L, k] int16 on the model's device
-        self._use: torch.Tensor | None = None      # [N] bool: token has a record
+        # tokens per forward -> ([N, L, k] int16 records on the model's device, [N] bool: has a record)
+        self._replay: dict | None = None
         self._handles = [m.register_forward_hook(self._hook(i))
                          for i, (_, m) in enumerate(find_routers(model))]
 
@@ -71,12 +74,16 @@ class RouterReplay:
                 self._captured[layer] = indices.detach()
             if self._replay is None:
                 return None
-            rec = self._replay[:, layer].to(indices.dtype)
+            n = indices.shape[0]
+            if n not in self._replay:
+                raise RuntimeError(f"routing records bound for forwards of {sorted(self._replay)} tokens, but layer "
+                                   f"{layer}'s router got {n}: the records must be laid out like the forward's input")
+            flat, use = self._replay[n]
+            rec = flat[:, layer].to(indices.dtype)
             if rec.shape != indices.shape:
-                raise RuntimeError(f"routing records for {rec.shape[0]} tokens x top-{rec.shape[1]} do not match "
-                                   f"the router's {tuple(indices.shape)} in layer {layer}: the records must be laid "
-                                   "out like the forward's input")
-            chosen = torch.where(self._use[:, None], rec, indices)
+                raise RuntimeError(f"routing records are top-{rec.shape[1]}, layer {layer}'s router is top-"
+                                   f"{indices.shape[1]}")
+            chosen = torch.where(use[:, None], rec, indices)
             return logits, gate_weights(module, logits, chosen, scores.dtype), chosen
         return hook
 
@@ -100,26 +107,31 @@ class RouterReplay:
         return to_records(out) if as_records else out
 
     @contextmanager
-    def replaying(self, records: torch.Tensor, device=None, capture: bool = False):
+    def replaying(self, *records: torch.Tensor, device=None, capture: bool = False):
         """Replay ``records`` ([b, s, L, k] or [N, L, k]) in every forward inside the context
-        (and in gradient checkpointing's recomputation). ``capture``: also keep the routers'
-        own choices for ``take()``."""
+        (and in gradient checkpointing's recomputation). Several record tensors serve several
+        forwards of different token counts (the prompt-shared update: prompts, then responses);
+        each router call takes the one whose token count it sees. ``capture``: also keep the
+        routers' own choices for ``take()``."""
         L, k = self.layout.layers, self.layout.top_k
-        if tuple(records.shape[-2:]) != (L, k):
-            raise ValueError(f"routing records end in {tuple(records.shape[-2:])}, this model routes "
-                             f"{L} layers x top-{k}")
-        flat = records.reshape(-1, L, k)
-        device = device if device is not None else records.device
-        use = has_record(flat).to(device)            # [N, L]
-        self._replay = flat.to(device=device)  # int16 on the device: 2 B per token, layer and k
-        # a token replays where its record is real in every layer (records are written per
-        # token for all layers at once); padding has none in any layer
-        self._use = use.all(-1)
+        bound = {}
+        for r in records:
+            if tuple(r.shape[-2:]) != (L, k):
+                raise ValueError(f"routing records end in {tuple(r.shape[-2:])}, this model routes "
+                                 f"{L} layers x top-{k}")
+            flat = r.reshape(-1, L, k)
+            if flat.shape[0] in bound:
+                raise ValueError(f"two record tensors for forwards of {flat.shape[0]} tokens: ambiguous")
+            dev = device if device is not None else r.device
+            # a token replays where it has a record in every layer (the rollout writes all layers
+            # of a token at once); padding has none in any
+            bound[flat.shape[0]] = (flat.to(device=dev), has_record(flat).all(-1).to(dev))
+        self._replay = bound
         self._capture, self._captured = capture, [None] * L
         try:
             yield self
         finally:
-            self._replay = self._use = None
+            self._replay = None
             self._capture, self._captured = False, [None] * L
 
 
