@@ -138,3 +138,34 @@ def test_step_row_holds_every_field_but_memory_and_samples():
     assert row == expected and list(row) == list(expected)
     rec.timing["rollout"] = 9.0
     assert row["timing"]["rollout"] == 0.1
+
+
+def test_mlflow_logger_keeps_mlflow_telemetry_off_unless_the_user_chose(tmp_path, monkeypatch):
+    """Opening the MLflow logger in a plain process (no pytest or CI variables, which MLflow
+    itself treats as "no telemetry") leaves MLflow's usage telemetry disabled, so a run sends
+    nothing to MLflow's servers; a user's own setting of either variable is kept."""
+    import os
+    import subprocess
+
+    from engine.tracking.mlflow_logger import disable_telemetry
+
+    code = ("import sys; from pathlib import Path; from engine.tracking.base import LoggerContext; "
+            "from engine.tracking.mlflow_logger import MlflowLogger; "
+            "lg = MlflowLogger(LoggerContext(Path(sys.argv[1]), 'x', 'p', {}, None)); lg.close(); "
+            "from mlflow.telemetry.client import get_telemetry_client; "
+            "from mlflow.telemetry.utils import is_telemetry_disabled; "
+            "print(is_telemetry_disabled(), get_telemetry_client() is None)")
+    ci = ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS", "MLFLOW_TRACKING_URI", "MLFLOW_DISABLE_TELEMETRY",
+          "DO_NOT_TRACK")
+    env = {k: v for k, v in os.environ.items() if k not in ci}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True"]
+
+    for var, value in (("MLFLOW_DISABLE_TELEMETRY", "false"), ("DO_NOT_TRACK", "false")):
+        monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+        monkeypatch.delenv("DO_NOT_TRACK", raising=False)
+        monkeypatch.setenv(var, value)
+        disable_telemetry()
+        assert os.environ[var] == value and ("MLFLOW_DISABLE_TELEMETRY" in os.environ) == (var == "MLFLOW_DISABLE_TELEMETRY")

@@ -29,6 +29,15 @@ def tracking_uri(run_dir: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path(run_dir) / DB_FILE).resolve()}"
 
 
+def disable_telemetry() -> None:
+    """MLflow 3 sends usage telemetry to its servers from a background thread (set up when
+    ``mlflow`` is imported) unless ``MLFLOW_DISABLE_TELEMETRY`` or ``DO_NOT_TRACK`` says not to.
+    A run's loggers stay local unless the user asked otherwise (wandb is offline unless
+    configured), so rl turns it off unless the user set either variable."""
+    if "MLFLOW_DISABLE_TELEMETRY" not in os.environ and "DO_NOT_TRACK" not in os.environ:
+        os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+
+
 def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in config.items():
@@ -45,6 +54,7 @@ class MlflowLogger(Logger):
     def __init__(self, ctx: LoggerContext):
         for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
             logging.getLogger(name).setLevel(logging.WARNING)
+        disable_telemetry()
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 
