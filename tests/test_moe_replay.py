@@ -308,26 +308,29 @@ def _step(rank, world, path, ckpt, share=False):
     return stats.replicated["grad_norm"], eng.export_hf_state_dict()
 
 
-def test_update_with_replay_and_gradient_checkpointing_replays_in_the_recompute(moe_dirs):
-    """Gradient checkpointing recomputes each block's forward during backward; the records stay
-    bound through backward, so the update equals the one without checkpointing. (Prompt sharing
-    steps aside under checkpointing: it used to crash on the KV cache transformers drops.)"""
-    (n0, w0), = run_ranks(_step, 1, moe_dirs["mixtral"], False)
-    (n1, w1), = run_ranks(_step, 1, moe_dirs["mixtral"], True, True)  # share_prompts on, as by default
-    assert n0 > 0 and abs(n0 - n1) < 1e-5 * max(1.0, n0)
-    for k in w0:
-        assert torch.allclose(w0[k], w1[k], atol=1e-6), k
+def _steps(rank, world, path):
+    """The same replayed update three ways, on one rank: plain [b, T] forward; gradient
+    checkpointing (with prompt sharing requested, as by default); the prompt-shared forward."""
+    return {name: _step(rank, world, path, ckpt, share)
+            for name, ckpt, share in (("plain", False, False), ("checkpointed", True, True),
+                                      ("shared", False, True))}
 
 
-def test_prompt_shared_update_replays_like_the_plain_forward(moe_dirs):
-    """The update's prompt-grouped layout (each prompt once, then the responses against its KV
-    cache) replays the prompt and response records in their own forwards: the same update as
-    the plain [b, T] forward (tolerance as tests/test_rollout_speed_update.py)."""
-    (n0, w0), = run_ranks(_step, 1, moe_dirs["qwen3_moe"], False, False)
-    (n1, w1), = run_ranks(_step, 1, moe_dirs["qwen3_moe"], False, True)
-    assert n0 > 0 and abs(n0 - n1) < 1e-5 * max(1.0, n0), (n0, n1)
-    for k in w0:
-        assert torch.allclose(w0[k], w1[k], atol=2e-5), (k, (w0[k] - w1[k]).abs().max())
+def test_replayed_update_is_the_same_checkpointed_and_prompt_shared(moe_dirs):
+    """Gradient checkpointing recomputes each block's forward during backward: the records stay
+    bound through backward, so the update equals the plain one exactly (prompt sharing steps
+    aside under checkpointing: it used to crash on the KV cache transformers drops). The
+    prompt-shared update (each prompt once, then the responses against its KV cache) replays
+    the prompt and response records in their own forwards: the same update as the plain forward
+    (tolerance as tests/test_rollout_speed_update.py)."""
+    out = run_ranks(_steps, 1, moe_dirs["qwen3_moe"])[0]
+    n0, w0 = out["plain"]
+    assert n0 > 0
+    for name, atol in (("checkpointed", 1e-6), ("shared", 2e-5)):
+        n1, w1 = out[name]
+        assert abs(n0 - n1) < 1e-5 * max(1.0, n0), (name, n0, n1)
+        for k in w0:
+            assert torch.allclose(w0[k], w1[k], atol=atol), (name, k, (w0[k] - w1[k]).abs().max())
 
 
 def test_grouped_records_follow_the_grouped_layout():
