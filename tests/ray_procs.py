@@ -67,7 +67,11 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
             out = proc.stdout.read() if proc.stdout else ""
             raise AssertionError(f"process exited ({proc.returncode}) before {what}:\n{out[-4000:]}")
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    out = ""
+    if proc is not None:  # show what the process printed, so a hang says where it was
+        proc.kill()
+        out = "\n" + (proc.communicate(timeout=30)[0] or "")[-4000:] if proc.stdout else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}{out}")
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

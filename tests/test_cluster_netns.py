@@ -91,13 +91,18 @@ def test_checkpoint_dir_not_shared_by_every_node_is_refused(hosts):
     assert not metrics_rows(d) and not list(d.glob("step_*")) and not list(d.glob(".rl-shared-check-*"))
 
 
+@pytest.mark.timeout(1200)
 def test_losing_the_second_host_mid_run_then_resume_finishes(hosts):
     h, shared = hosts
+    h.wait_nodes(2)
     d = shared / "killed"
+    # ray_timeout_s: a stuck start-up or collective ends the run with a message naming what it
+    # waited on, well inside the wait below (which shows the run's output)
     proc = h.popen("A", rl_cmd("train", f"trainer.ray_address={h.address}", *RUN, "trainer.nnodes=2",
-                               "trainer.total_steps=200", "checkpoint.save_freq=1", f"checkpoint.dir={d}"))
+                               "trainer.total_steps=200", "checkpoint.save_freq=1", "trainer.ray_timeout_s=240",
+                               f"checkpoint.dir={d}"))
     try:
-        wait_for(lambda: len(metrics_rows(d)) >= 2 and (d / "step_1" / "manifest.json").exists(), 600,
+        wait_for(lambda: len(metrics_rows(d)) >= 2 and (d / "step_1" / "manifest.json").exists(), 420,
                  "two steps and a checkpoint", proc)
         h.kill_host("B")
         out, _ = proc.communicate(timeout=300)

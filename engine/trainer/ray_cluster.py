@@ -117,7 +117,11 @@ def ray_cluster(address: str, num_cpus: int):
             saved = os.environ.pop("RAY_ADDRESS", None)  # never inherited by the private Ray's processes
             try:
                 t0 = time.time()
-                ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+                # no prestarted idle workers: every rank is an actor with its own runtime_env (its
+                # thread settings), which Ray never gives to a prestarted worker, so they only cost
+                # start-up CPU (~0.8 CPU-s a run on the 2-core machine)
+                ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                         _system_config={"prestart_worker_first_driver": False}, **kwargs)
             finally:
                 if saved is not None:
                     os.environ["RAY_ADDRESS"] = saved
