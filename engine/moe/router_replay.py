@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.moe.routers import MoELayout, find_routers, moe_layout
-from engine.moe.routing_records import has_record, to_records
+from engine.moe.routing_records import MAX_EXPERTS, has_record, to_records
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, RouterReplay]" = weakref.WeakKeyDictionary()
 
@@ -51,6 +51,8 @@ class RouterReplay:
         layout = moe_layout(model)
         if layout is None:
             raise ValueError("the model has no supported mixture-of-experts router (engine/moe/routers.py)")
+        if layout.num_experts > MAX_EXPERTS:
+            raise ValueError(f"{layout.num_experts} experts do not fit int16 routing records (at most {MAX_EXPERTS})")
         self.layout: MoELayout = layout
         self._captured: list = [None] * layout.layers
         self._capture = False

@@ -33,7 +33,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RolloutConfig
-from engine.moe.routing_records import empty_records
+from engine.moe.routing_records import NO_RECORD, ROUTING_DTYPE, empty_records
 from engine.rollout.base import Sampler
 
 
@@ -99,9 +99,11 @@ class TorchSampler(Sampler):
         cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
         prompt_rec = resp_rec = None
         if recorder is not None:  # [u, P, L, k]: the prompt tokens' routing; responses' filled per step
-            prompt_rec = recorder.take(as_records=False).reshape(len(uniq), P, recorder.layout.layers, -1)
-            resp_rec = torch.full((B, self.cfg.max_new_tokens) + tuple(prompt_rec.shape[2:]), -1,
-                                  dtype=prompt_rec.dtype, device=dev)
+            # int16 on the device as well (the records' own dtype; 1/4 of the router's int64)
+            prompt_rec = recorder.take(as_records=False).to(ROUTING_DTYPE).reshape(
+                len(uniq), P, recorder.layout.layers, -1)
+            resp_rec = torch.full((B, self.cfg.max_new_tokens) + tuple(prompt_rec.shape[2:]), NO_RECORD,
+                                  dtype=ROUTING_DTYPE, device=dev)
         if len(uniq) != B:  # share the prompt's KV cache with its samples
             expand = torch.tensor(owner, device=dev)
             cache.batch_select_indices(expand)
@@ -162,16 +164,13 @@ class TorchSampler(Sampler):
                         use_cache=True, **{kwarg: cache})
             cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
             if recorder is not None:  # the routing of response token t, fed in this forward
-                resp_rec[live, t] = recorder.take(as_records=False)
+                resp_rec[live, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
         self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
         lengths = lengths.clamp(max=steps)
         routing = None
         if recorder is not None:
-            from engine.moe.routing_records import to_records
-
-            routing = (to_records(prompt_rec), [P - len(r) for r in uniq], owner,
-                       to_records(resp_rec[:, :steps]))
+            routing = (prompt_rec.cpu(), [P - len(r) for r in uniq], owner, resp_rec[:, :steps].cpu())
         return self._to_right_padded(rows, tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(),
                                      routing=routing)
 
