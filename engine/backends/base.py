@@ -110,6 +110,13 @@ class TrainEngine(ABC):
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights under Hugging Face names (for vLLM sync and export)."""
 
+    def routing_report(self, batch: SequenceBatch) -> dict:
+        """Partial sums of the MoE routing metrics (engine/moe/routing_metrics.py) on this rank's
+        rows; an engine without routing replay (config refuses it there) reports none."""
+        from engine.moe.routing_metrics import RoutingSums
+
+        return RoutingSums().to_dict()
+
     # ---- memory -------------------------------------------------------------------------
     @abstractmethod
     def offload(self) -> OffloadReport:
