@@ -6,7 +6,10 @@ it) runs RL steps in alternating blocks, quiet and under a CPU hog (one busy-loo
 two cores -- with the step's own threads, load ~3 on 2 cores, the issue's busy machine -- spawned
 here, self-terminating and killed in teardown). A hog of one process per core leaves the step
 half the CPU and takes its second core away: 2.7-3.6x on a quiet 2-core machine, at that limit. The median hogged step must stay
-within 3x of the median quiet step; with spin-waiting OpenMP threads it was ~45x.
+within 3x of the median quiet step; with spin-waiting OpenMP threads it was ~45x. The rank runs
+as a user on a shared machine is told to run it: `trainer.adapt_threads=true` (threads follow the
+free cores; off by default because it makes float sums depend on the load, tests/test_threads.py).
+Passive waits alone measured 0.99x and 3.28x here (load ~4 from other work).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dataclasses import asdict
 threads, blocks, per_block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfg = load_run_config(["model.hidden_size=128", "model.intermediate_size=256", "model.num_layers=2",
                        "rollout.max_new_tokens=16", "rollout.ignore_eos=true", "data.train_batch_size=8",
-                       "algorithm.rollout_n=4", "trainer.device=cpu"]).config
+                       "algorithm.rollout_n=4", "trainer.device=cpu", "trainer.adapt_threads=true"]).config
 V = 64
 w = RankWorker(asdict(cfg), 0, 1, "", {"size": V, "pad": 0, "eos": 1}, threads)
 w.setup(*w.open_rendezvous())

@@ -126,15 +126,11 @@ def test_removed_keys_are_never_offered(monkeypatch):
 
 
 def _parse(text: str):
-    import yaml
+    """The value as Hydra reads it on the command line (`off` is a string there, not YAML 1.1's False)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    value = yaml.safe_load(text) if text != "" else ""
-    if isinstance(value, str):
-        try:
-            return float(value)  # PyYAML reads 1e-08 as a string; OmegaConf as a float
-        except ValueError:
-            return value
-    return value
+    value = OverridesParser.create().parse_override(f"k={text}").value()
+    return "" if value is None and text == "" else value
 
 
 @pytest.mark.parametrize("line", ["rl train ", "rl train algorithm=dr_grpo model=smollm2-135m ",

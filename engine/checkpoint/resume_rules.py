@@ -36,6 +36,7 @@ ALLOWED: dict[str, str] = {
     "trainer.placement": "where the ranks run",
     "trainer.ray_timeout_s": "a timeout",
     "trainer.threads_per_rank": "CPU threads per rank (float sums may round differently)",
+    "trainer.adapt_threads": "CPU threads per rank (float sums may round differently)",
     "checkpoint.save_freq": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint retention",
     "checkpoint.save_final": "checkpoint cadence",

@@ -38,6 +38,10 @@ class TrainerConfig:
                         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     ray_timeout_s: float = _f(600.0, "seconds any single Ray call may take before the run is aborted", min=1.0)
     threads_per_rank: int = _f(0, "torch intra-op threads per rank; 0 = CPU cores divided by nprocs", min=0)
+    adapt_threads: bool = _f(False, "with threads_per_rank=0, drop to fewer threads before each rollout and update "
+                                    "when other tasks hold the cores (steadier on a shared machine); off by default "
+                                    "because float sums then depend on the machine's load, so a run and its resume "
+                                    "are no longer bit-reproducible")
     loggers: list = _f(["console", "jsonl"], "where metrics go: any of console, jsonl (metrics.jsonl), tensorboard, "
                        "wandb, mlflow (the last three need `pip install 'rl[tracking]'`)")
     project: str = _f("rl", "wandb project / MLflow experiment name the run is logged under")

@@ -31,8 +31,10 @@ class RankWorker:
         self.model_path = model_path
         self.vocab = vocab
         configure_torch_threads(threads)
-        # auto thread count (trainer.threads_per_rank=0): follow the free cores each phase
-        self._max_threads = threads if self.cfg.trainer.threads_per_rank == 0 else 0
+        # trainer.adapt_threads (with threads_per_rank=0): follow the free cores each phase; only
+        # when asked, because the thread count changes how float sums are split
+        t = self.cfg.trainer
+        self._max_threads = threads if t.threads_per_rank == 0 and t.adapt_threads else 0
         torch.use_deterministic_algorithms(False)
 
     # ---- setup --------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Rank thread counts: fixed for the run by default, load-following only when asked.
+
+Protects bit-reproducibility: torch splits a float sum across its intra-op threads, so the same
+step gives different bits with 1 and 2 threads. A default run must therefore keep its thread
+count whatever the machine's load; `trainer.adapt_threads=true` trades that for steadier speed
+on a shared machine (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import engine.threads
+from engine.config.load import load_run_config
+
+
+def test_thread_count_changes_float_sums_which_is_why_it_is_fixed_by_default():
+    x = torch.randn(64, 100_000, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = x.sum()
+        torch.set_num_threads(2)
+        two = x.sum()
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(one, two)
+
+
+@pytest.mark.parametrize("adapt, expected", [(False, 2), (True, 1)])
+def test_rank_keeps_its_threads_on_a_busy_machine_unless_adapt_threads(monkeypatch, adapt, expected):
+    from engine.trainer.worker import RankWorker
+
+    monkeypatch.setattr(engine.threads, "busy_cpus", lambda: 64)  # every core taken by others
+    monkeypatch.setattr(engine.threads.os, "cpu_count", lambda: 2)
+    cfg = load_run_config(["data.train_batch_size=2", "algorithm.rollout_n=2", "rollout.max_new_tokens=4",
+                           "trainer.device=cpu", f"trainer.adapt_threads={str(adapt).lower()}"]).config
+    before = torch.get_num_threads()
+    w = RankWorker(asdict(cfg), 0, 1, "", {"size": 64, "pad": 0, "eos": 1}, 2)
+    try:
+        w.setup(*w.open_rendezvous())
+        w.onload(0)
+        w.generate([[5, 6, 7], [8, 9]], 2)
+        assert torch.get_num_threads() == expected
+    finally:
+        w.shutdown()
+        torch.set_num_threads(before)
