@@ -623,14 +623,11 @@ def test_sigkill_mid_save_and_mid_step_then_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_deleted_entry_in_real_checkpoint_refused_then_allow_partial(tmp_path):
+def test_deleted_entry_in_real_checkpoint_refused_then_allow_partial(straight1, tmp_path):
     """On a real `rl train` checkpoint, a deleted lm_head AdamW entry is refused by `rl resume`
     (exit 2, names lm_head.weight, nothing modified); --allow-partial resumes, says so in red
     and records the backfilled parameter in resumes.jsonl."""
-    run = tmp_path / "run"
-    r = rl("train", "trainer.total_steps=2", "checkpoint.save_freq=1", "data.train_batch_size=4",
-           "algorithm.rollout_n=2", f"checkpoint.dir={run}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run = stopped_after(straight1, tmp_path / "run", 2)
     _drop_from_dcp(run / "step_2" / "state", {"optim.state.lm_head.weight.exp_avg"})
     before = _snapshot(run)
     r = rl("resume", str(run), "trainer.total_steps=3")
@@ -645,21 +642,18 @@ def test_deleted_entry_in_real_checkpoint_refused_then_allow_partial(tmp_path):
 
 
 @pytest.mark.slow
-def test_model_that_differs_from_checkpoint_is_refused_by_the_ranks(tmp_path):
+def test_model_that_differs_from_checkpoint_is_refused_by_the_ranks(straight1, tmp_path):
     """If the model the config builds differs from the checkpoint's (here: the saved config
     edited behind rl's back, manifest resealed so verification passes), the ranks refuse before
     loading anything: exit 2, the differing shapes named, no file modified."""
-    run = tmp_path / "run"
-    r = rl("train", "trainer.total_steps=1", "checkpoint.save_freq=1", "data.train_batch_size=4",
-           "algorithm.rollout_n=2", f"checkpoint.dir={run}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    man_path = run / "step_1" / "manifest.json"
+    run = stopped_after(straight1, tmp_path / "run", 2)
+    man_path = run / "step_2" / "manifest.json"
     man = json.loads(man_path.read_text())
     man["config"]["model"]["intermediate_size"] = 96
     man_path.write_text(json.dumps(man))
-    reseal(run / "step_1")
+    reseal(run / "step_2")
     before = _snapshot(run)
-    r = rl("resume", str(run), "trainer.total_steps=2")
+    r = rl("resume", str(run), "trainer.total_steps=3")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "different model" in " ".join(r.stderr.split()) and "mlp" in r.stderr
     assert _snapshot(run) == before
