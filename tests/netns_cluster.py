@@ -80,9 +80,12 @@ class TwoHosts:
         return subprocess.run(self.cmd(host, argv), env=self.env(host), capture_output=True, text=True,
                               timeout=timeout, **kw)
 
-    def popen(self, host: str, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd(host, argv), env=self.env(host), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, **kw)
+    def popen(self, host: str, argv: list[str], log: Path, **kw) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` in the background, its output going to the file ``log``
+        (never a pipe nobody reads while waiting: a full pipe would stall the run)."""
+        with open(log, "w") as f:
+            return subprocess.Popen(self.cmd(host, argv), env=self.env(host), stdout=f, stderr=subprocess.STDOUT,
+                                    text=True, **kw)
 
     # ---- Ray nodes --------------------------------------------------------------------
     def start_head(self) -> None:

@@ -98,18 +98,23 @@ def test_losing_the_second_host_mid_run_then_resume_finishes(hosts):
     d = shared / "killed"
     # ray_timeout_s: a stuck start-up or collective ends the run with a message naming what it
     # waited on, well inside the wait below (which shows the run's output)
+    log = shared / "killed.log"
     proc = h.popen("A", rl_cmd("train", f"trainer.ray_address={h.address}", *RUN, "trainer.nnodes=2",
                                "trainer.total_steps=200", "checkpoint.save_freq=1", "trainer.ray_timeout_s=240",
-                               f"checkpoint.dir={d}"))
+                               f"checkpoint.dir={d}"), log=log)
     try:
-        wait_for(lambda: len(metrics_rows(d)) >= 2 and (d / "step_1" / "manifest.json").exists(), 420,
-                 "two steps and a checkpoint", proc)
+        try:
+            wait_for(lambda: len(metrics_rows(d)) >= 2 and (d / "step_1" / "manifest.json").exists(), 420,
+                     "two steps and a checkpoint", proc)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nthe run's output:\n{log.read_text()[-4000:]}") from None
         h.kill_host("B")
-        out, _ = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+    out = log.read_text()
     assert proc.returncode == 1, out[-4000:]
     text = plain(out)
     assert f"on node {WORKER_IP}" in text and "rank lost" in text and "rl resume" in text, text[-4000:]
