@@ -22,7 +22,8 @@ def running_train(tmp_path_factory):
     d = tmp_path_factory.mktemp("listen") / "ckpt"
     proc = subprocess.Popen(rl_cmd("train", "trainer.nprocs=2", "trainer.total_steps=1000", "data.train_batch_size=4",
                                    "algorithm.rollout_n=2", "checkpoint.save_freq=0", f"checkpoint.dir={d}"),
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=child_env(), stdout=open(d.parent / "train.log", "w"), stderr=subprocess.STDOUT,
+                            text=True)  # a file, not an unread pipe: 1000 steps of rows would fill a pipe
     seen: list[psutil.Process] = []
     try:
         wait_for(lambda: metrics_rows(d), 300, "the first step's metrics row", proc)
