@@ -178,6 +178,9 @@ def _session(rank: int, world: int, store: str, workdir: str) -> None:
     rec1["resume_step_err"] = _max_diff(eng1.critic.checkpoint_state()["model"], tp2["after2"])
     if rank == 0:
         torch.save(rec1, os.path.join(workdir, "critic_tp1.pt"))
+    from dist_utils import exit_after_barrier
+
+    exit_after_barrier()   # skip the gloo teardown that intermittently aborts on this torch build
 
 
 @pytest.fixture(scope="module")
