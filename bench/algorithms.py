@@ -1,7 +1,7 @@
 """Held-out accuracy after a fixed step budget, and wall time, for each advantage estimator
 on the same task, 3 seeds each; prints a markdown table of medians (docs/algorithms.md).
 
-    python bench/algorithms.py                                   # task=sort, the budget in docs/algorithms.md
+    python bench/algorithms.py --steps 300 --max-new-tokens 8 task.sort_length=2   # the table in docs/algorithms.md
     python bench/algorithms.py --steps 60 --seeds 0 1 2 --estimators grpo rloo dapo
     python bench/algorithms.py --out /tmp/algos_bench.json        # also keep every run's numbers
     python bench/algorithms.py --table-from /tmp/algos_bench.json # the table of a saved (or partial) run
