@@ -177,3 +177,23 @@ def test_fsdp_critic_follows_param_and_optimizer_offload():
     assert r["moved"] == (True, True)
     assert r["bytes"][0] >= 2 * r["critic_bytes"] and r["bytes"][1] > 0   # policy + critic params
     assert r["exact"]
+
+
+def _estimate(*overrides) -> dict:
+    r = rl("mem-report", "--estimate", "--engine=megatron", *overrides, "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)["estimate"]
+
+
+def test_mem_report_estimate_counts_the_critic_and_its_offload():
+    """`rl mem-report --estimate` with algorithm=ppo: a second network and AdamW state per rank,
+    a critic_update phase; with engine.param_offload the critic leaves the device with the
+    policy (the rollout phase holds what it holds without a critic)."""
+    grpo, ppo = _estimate(), _estimate("algorithm=ppo")
+    assert ppo["per_rank"]["params"] == 2 * grpo["per_rank"]["params"]
+    assert ppo["per_rank"]["optimizer"] == 2 * grpo["per_rank"]["optimizer"]
+    assert "critic_update" in {p["phase"] for p in ppo["phases"]}
+    phase = lambda est, name: next(p for p in est["phases"] if p["phase"] == name)  # noqa: E731
+    off_grpo, off_ppo = _estimate("engine.param_offload=true"), _estimate("algorithm=ppo", "engine.param_offload=true")
+    assert phase(off_ppo, "rollout")["categories"]["params"] == phase(off_grpo, "rollout")["categories"]["params"]
+    assert phase(ppo, "rollout")["categories"]["params"] > phase(grpo, "rollout")["categories"]["params"]
