@@ -75,6 +75,16 @@ def _init_worker(path: list[str]) -> None:
     sys.path[:] = path
 
 
+def _reap(p, timeout_s: float) -> None:
+    """Wait until ``p`` has exited and its exit code is known. The pool's own manager thread
+    reaps its workers too: when it wins that race, ``p.join`` returns with the exit code still
+    unset (``is_alive()`` says True for a dead process) until the manager thread records it."""
+    deadline = time.monotonic() + timeout_s
+    p.join(timeout=timeout_s)
+    while p.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class ProcessPool:
     """A spawned process pool kept for the whole run; per-call timeouts kill and replace it."""
 
@@ -100,7 +110,7 @@ class ProcessPool:
             p.kill()
         pool.shutdown(wait=True, cancel_futures=True)
         for p in procs:
-            p.join(timeout=5)
+            _reap(p, timeout_s=5)
 
     def close(self, grace_s: float = 5.0) -> None:
         """Stop the workers: idle ones exit; one still inside a call (a hung reward, an
@@ -115,7 +125,7 @@ class ProcessPool:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+                _reap(p, timeout_s=5)
 
     def run(self, calls: list[Call], timeout_s: float, stop_on_failure: bool) -> list:
         out: list = [None] * len(calls)
