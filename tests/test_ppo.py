@@ -180,9 +180,13 @@ def test_fsdp_critic_follows_param_and_optimizer_offload():
 
 
 def _estimate(*overrides) -> dict:
-    r = rl("mem-report", "--estimate", "--engine=megatron", *overrides, "--json", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)["estimate"]
+    """What `rl mem-report --estimate --engine=megatron OVERRIDES --json` prints under "estimate"
+    (the engine call the command makes, in this process: four estimates share one import)."""
+    from engine.memory.measure import estimate_only
+    from rlcli.output import strict_json_value
+
+    rep = estimate_only(list(overrides), engine="megatron")
+    return json.loads(json.dumps(strict_json_value(rep.to_json()), default=str))["estimate"]
 
 
 def test_mem_report_estimate_counts_the_critic_and_its_offload():

@@ -18,63 +18,69 @@ class Located:
     later: list[str]            # newer *complete* checkpoints (only when a step_N was named)
 
 
-def find_checkpoint(path: Path) -> Located:
-    """A run root -> its latest complete step_N (derived from disk); a step_N -> that one."""
+_DONE = {"resume": "resumed", "export": "exported"}
+
+
+def find_checkpoint(path: Path, command: str = "resume") -> Located:
+    """A run root -> its latest complete step_N (derived from disk); a step_N -> that one.
+    ``command`` (resume, export) is the `rl` command the refusals name in their hints."""
     path = Path(path)
     shown = str(path)
+    done_word = _DONE.get(command, "used")
     if not path.exists():
         raise CheckpointError(f"{shown} does not exist. Pass a run directory (checkpoint.dir of a run, e.g. "
-                              f"`rl resume ckpt/`) or one of its step_N directories.", title="no checkpoint")
+                              f"`rl {command} ckpt/`) or one of its step_N directories.", title="no checkpoint")
     if not path.is_dir():
-        raise CheckpointError(f"{shown} is a file. Pass a run directory (e.g. `rl resume ckpt/`) or one of its "
-                              f"step_N directories.", title="no checkpoint")
+        raise CheckpointError(f"{shown} is a file, not an rl checkpoint. Pass a run directory (e.g. `rl {command} "
+                              f"ckpt/`) or one of its step_N directories.", title="not an rl checkpoint")
     path = path.resolve()
     if path.name.startswith(TMP_PREFIX):
         run_root = path.parent
-        latest = latest_hint(run_root)
+        latest = latest_hint(run_root, command)
         raise CheckpointError(f"{shown} is a save that never finished (.tmp-step_N directories are never "
-                              f"resumed).{latest}", title="incomplete checkpoint")
+                              f"{done_word}).{latest}", title="incomplete checkpoint")
     if STEP_RE.match(path.name):
         run_root = path.parent
         step = StepDir(path, int(STEP_RE.match(path.name).group(1)))
         if not step.complete:
             raise CheckpointError(f"{shown} is incomplete: it has no {MANIFEST} (the save did not finish, or the "
-                                  f"directory was copied partially).{latest_hint(run_root)}",
+                                  f"directory was copied partially).{latest_hint(run_root, command)}",
                                   title="incomplete checkpoint")
         later = [s.path.name for s in complete_steps(run_root) if s.step > step.step]
         skipped = [s.path.name for s in list_steps(run_root) if s.step > step.step and not s.complete]
         return Located(run_root, step, skipped, later)
     if path.name == "state" and STEP_RE.match(path.parent.name):
         raise CheckpointError(f"{shown} is the DCP directory inside a checkpoint; pass the step directory "
-                              f"itself: `rl resume {path.parent}`.", title="no checkpoint")
+                              f"itself: `rl {command} {path.parent}`.", title="not an rl checkpoint")
     steps = list_steps(path)
     tmps = sorted(p.name for p in path.glob(TMP_PREFIX + "*"))
     if not steps:
         if (path / "run.json").is_file():
-            interrupted = f" An interrupted save ({', '.join(tmps)}) is never resumed." if tmps else ""
+            interrupted = f" An interrupted save ({', '.join(tmps)}) is never {done_word}." if tmps else ""
             raise CheckpointError(
                 f"{shown} holds a run that has not written a checkpoint yet (it saves every checkpoint.save_freq "
-                f"steps).{interrupted} Nothing can be resumed: start it again with `rl train ... "
+                f"steps).{interrupted} Nothing can be {done_word}: start it again with `rl train ... "
                 f"checkpoint.dir={shown} checkpoint.overwrite=true`.", title="no checkpoint")
-        raise CheckpointError(f"{shown} is not an rl run directory (no run.json, no step_N/ checkpoints). Pass the "
-                              f"checkpoint.dir of a run, e.g. `rl resume ckpt/`.", title="no checkpoint")
+        raise CheckpointError(f"{shown} is not an rl checkpoint (no run.json, no step_N/ checkpoints, no {MANIFEST}). "
+                              f"Pass the checkpoint.dir of a run, e.g. `rl {command} ckpt/`, or one of its step_N "
+                              f"directories.", title="not an rl checkpoint")
     done = [s for s in steps if s.complete]
     if not done:
         names = ", ".join(s.path.name for s in steps)
         raise CheckpointError(
             f"{shown} holds only incomplete checkpoints ({names}: no {MANIFEST}; their saves did not finish). "
-            f"None can be resumed safely. Start the run again with `rl train ... checkpoint.dir={shown} "
+            f"None can be {done_word} safely. Start the run again with `rl train ... checkpoint.dir={shown} "
             f"checkpoint.overwrite=true`.", title="incomplete checkpoint")
     chosen = done[-1]
     skipped = [s.path.name for s in steps if s.step > chosen.step] + tmps
     return Located(path, chosen, skipped, [])
 
 
-def latest_hint(run_root: Path) -> str:
+def latest_hint(run_root: Path, command: str = "resume") -> str:
     done = complete_steps(run_root)
     if not done:
         return " There is no complete checkpoint next to it."
-    return f" The latest complete checkpoint there is {done[-1].path.name}: `rl resume {done[-1].path}`."
+    return f" The latest complete checkpoint there is {done[-1].path.name}: `rl {command} {done[-1].path}`."
 
 
 def earlier_hint(root: Path, step: StepDir) -> str:

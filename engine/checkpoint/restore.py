@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.checkpoint.layout import StepDir
 from engine.checkpoint.manifest import manifest_step, read_manifest, saved_entries
 from engine.checkpoint.optimizer_entries import classify_optimizer_entries, group_names, refuse_missing, split_prefix
+from engine.checkpoint.shape_diff import shape_diff
 from engine.errors import CheckpointError
 
 
@@ -101,10 +102,10 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     state = engine.checkpoint_state()   # live, DCP-shaped; a fresh optimizer gets entries for every param
     live_model = state["model"]
     saved_model = split_prefix(names, "model.")
-    lacking = sorted(set(live_model) - saved_model)
-    extra = sorted(saved_model - set(live_model))
-    mism = [f"{k} (checkpoint {list(shapes['model.' + k])}, model {list(v.shape)})" for k, v in live_model.items()
-            if k in saved_model and isinstance(v, torch.Tensor) and tuple(v.shape) != shapes.get("model." + k)]
+    diff = shape_diff({k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in live_model.items()},
+                      {k: shapes.get("model." + k) for k in saved_model})
+    lacking, extra = sorted(diff.missing), sorted(diff.unknown)
+    mism = [f"{k} (checkpoint {list(have)}, model {list(want)})" for k, have, want in diff.wrong if want is not None]
     if lacking or extra or mism:
         parts = []
         if lacking:

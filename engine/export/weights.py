@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.shape_diff import shape_diff
 from engine.errors import CheckpointError
 
 MODEL_PREFIX = "model."
@@ -63,11 +64,10 @@ def plan_tensors(config, entries: dict[str, object], where: Path) -> TensorPlan:
     """Match the checkpoint's model entries to the tensors the architecture saves; refuse on
     anything missing or of the wrong shape (a checkpoint of another model)."""
     shapes, aliases = expected_tensors(config)
-    missing = [n for n in shapes if n not in entries]
-    unknown = [n for n in entries if n not in shapes and n not in aliases]
-    wrong = [f"{n} {tuple(entries[n].size)} vs {tuple(s)}" for n, s in shapes.items()
-             if n in entries and tuple(entries[n].size) != tuple(s)]
-    if missing or unknown or wrong:
+    diff = shape_diff(shapes, {n: tuple(e.size) for n, e in entries.items()}, set(aliases))
+    missing, unknown = diff.missing, diff.unknown
+    wrong = [f"{n} {have} vs {want}" for n, have, want in diff.wrong]
+    if diff:
         parts = []
         if missing:
             parts.append(f"missing {len(missing)} tensors ({', '.join(missing[:4])})")
