@@ -305,7 +305,7 @@ def test_refusals_exit_2_and_modify_nothing(small_run, tmp_path, case):
     elif case == "empty":
         target = tmp_path / "empty"
         target.mkdir()
-        expect = "not an rl run directory"
+        expect = "not an rl checkpoint (no run.json"
     elif case == "run_without_checkpoint":
         for s in ("step_1", "step_2"):
             shutil.rmtree(run / s)
