@@ -139,9 +139,28 @@ def ray_cluster(address: str, num_cpus: int):
         yield ray, target
     finally:
         if started:
+            if target.local:
+                _end_autoscaler_monitor(ray)
             ray.shutdown()
         if reaper is not None:
             reaper.release()
+
+
+def _end_autoscaler_monitor(ray) -> None:
+    """Kill the private Ray's autoscaler monitor before ``ray.shutdown()``. Shutdown stops Ray's
+    processes one at a time, each with SIGTERM and up to 1 s to exit; the monitor never exits on
+    SIGTERM, so it costs every run a full second (1.35 s -> 0.35 s of shutdown, measured). A
+    private cluster has a fixed size and nothing to autoscale, so ending it at once loses nothing."""
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    for info in (getattr(node, "all_processes", None) or {}).get("monitor", []):
+        proc = getattr(info, "process", None)
+        if proc is None:
+            continue
+        try:
+            proc.kill()
+            proc.wait(timeout=5)
+        except Exception:  # already gone, or not ours to wait on: ray.shutdown() handles the rest
+            pass
 
 
 class Reaper:
