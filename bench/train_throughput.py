@@ -8,7 +8,9 @@ same run, with the update's achieved FLOP/s as a fraction of a matmul peak measu
 Two engines with the same initial weights run alternately, step by step:
 ``plain`` -- the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
 the host) and the plain update forward (prompts recomputed for every sample);
+``dynamic`` -- fast, but every decode step through the model's own forward and growing cache;
 ``fast`` -- the defaults (one prefill per prompt group, finished rows dropped, on-device sampling,
+decode steps on a preallocated KV cache (engine/rollout/static_decode.py),
 each distinct prompt computed once in the update).
 Update FLOP/s count 6 x matmul params x real tokens (prompt + response): the work of the plain
 forward+backward on the real tokens, so ``fast`` gets credit for computing less.
@@ -50,7 +52,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ignore-eos", action="store_true", help="fixed-length responses (rollout.ignore_eos)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", default=["plain", "fast"], choices=["plain", "fast"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "fast"], choices=["plain", "dynamic", "fast"],
+                    help="dynamic = fast but decoding through the model's own forward (no static KV cache)")
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
@@ -75,8 +78,9 @@ def main() -> None:
     for mode in args.modes:
         eng = FSDPEngine(cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
         eng.build()
-        eng.share_prompts = mode == "fast"
-        runs[mode] = {"eng": eng, "sampler": TorchSampler(cfg.rollout, PAD, EOS, eng.device, fast=mode == "fast"),
+        eng.share_prompts = mode != "plain"
+        runs[mode] = {"eng": eng, "sampler": TorchSampler(cfg.rollout, PAD, EOS, eng.device, fast=mode != "plain",
+                                                          static_cache=mode == "fast"),
                       "gen": torch.Generator().manual_seed(0), "roll": [], "upd": [], "roll_tok": [], "upd_tok": []}
     g = torch.Generator().manual_seed(0)
     lo, hi = args.prompt_len
@@ -113,7 +117,7 @@ def main() -> None:
     print(f"batch: {args.prompts} prompts x {args.n} samples, prompts {lo}-{hi} tokens, up to {args.new_tokens} new "
           f"tokens{' (fixed length)' if args.ignore_eos else ''}, {args.steps} steps after 1 warm-up, medians")
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32 1024^3, measured before and after)")
-    print(f"{'mode':6s} {'rollout s':>9s} {'rollout tok/s':>13s} {'update s':>9s} {'update tok/s':>12s} "
+    print(f"{'mode':7s} {'rollout s':>9s} {'rollout tok/s':>13s} {'update s':>9s} {'update tok/s':>12s} "
           f"{'update GFLOP/s':>14s} {'update MFU':>10s}")
     res = {}
     for mode, r in runs.items():
@@ -123,11 +127,12 @@ def main() -> None:
         upd_tps = statistics.median(t / s for t, s in zip(r["upd_tok"], r["upd"]))
         flops = 6 * matmul_params * upd_tps
         res[mode] = (roll_tps, upd_tps)
-        print(f"{mode:6s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
+        print(f"{mode:7s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
               f"{100 * flops / peak:9.1f}%")
-    if len(res) == 2:
-        (pr, pu), (fr, fu) = res["plain"], res["fast"]
-        print(f"fast / plain: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")
+    for base in ("plain", "dynamic"):
+        if base in res and "fast" in res:
+            (pr, pu), (fr, fu) = res[base], res["fast"]
+            print(f"fast / {base}: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ from engine.batch import SequenceBatch
 from engine.config.schema import RolloutConfig
 from engine.moe.routing_records import NO_RECORD, ROUTING_DTYPE, empty_records
 from engine.rollout.base import Sampler
+from engine.rollout.static_decode import StaticDecode
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -49,8 +50,9 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class TorchSampler(Sampler):
     def __init__(self, cfg: RolloutConfig, pad_token_id: int, eos_token_id: int, device: torch.device,
-                 fast: bool = True, record_routing: bool = False):
+                 fast: bool = True, record_routing: bool = False, static_cache: bool = True):
         self.cfg = cfg
+        self.static_cache = static_cache  # decode on a preallocated cache where supported (fast only)
         self.record_routing = record_routing
         self.pad = pad_token_id
         self.eos = eos_token_id
@@ -109,6 +111,9 @@ class TorchSampler(Sampler):
             cache.batch_select_indices(expand)
             logits, attn, pos = logits[expand], attn[expand], pos[expand]
         next_pos = pos[:, -1:] + 1
+        # decode steps on a preallocated cache where the architecture allows (static_decode.py)
+        static = StaticDecode.start(model, cache, attn, self.cfg.max_new_tokens) \
+            if self.fast and self.static_cache and recorder is None else None
         live = torch.arange(B, device=dev)                      # original row of each current row
         tokens = torch.full((B, self.cfg.max_new_tokens), self.pad, dtype=torch.long, device=dev)
         logps = torch.zeros((B, self.cfg.max_new_tokens), device=dev)
@@ -149,8 +154,15 @@ class TorchSampler(Sampler):
                     live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
                     attn = attn[keep_rows]
                     # the cache is largest just before finished rows leave it
-                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
-                    cache.batch_select_indices(keep_rows)
+                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(static or cache))
+                    if static is not None:
+                        static.select(keep_rows)
+                    else:
+                        cache.batch_select_indices(keep_rows)
+                if static is not None:
+                    logits = static.step(tok, next_pos).float()
+                    next_pos = next_pos + 1
+                    continue
                 attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
             else:
                 newly = ended & ~done
@@ -166,7 +178,7 @@ class TorchSampler(Sampler):
             if recorder is not None:  # the routing of response token t, fed in this forward
                 resp_rec[live, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
-        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(static or cache))
         lengths = lengths.clamp(max=steps)
         routing = None
         if recorder is not None:
@@ -243,6 +255,8 @@ def _returned_cache(out):
 
 
 def _cache_bytes(cache) -> int:
+    if isinstance(cache, StaticDecode):
+        return cache.cache_bytes()
     total = 0
     try:
         for layer in getattr(cache, "layers", []):
