@@ -82,3 +82,24 @@ def test_two_rank_step_equals_one_rank_step():
     assert worst < 2e-5, worst
     pg2 = sum(r[1]["pg_loss"] for r in two)
     assert abs(m1["pg_loss"] - pg2) < 1e-5
+
+
+def test_the_pad_tokens_embedding_trains_when_the_policy_samples_it():
+    """A sampled pad token is a real response token: its embedding row gets its gradient (as in
+    megatron's embedding), while padding positions, masked out, contribute none."""
+    from engine.config.schema import ModelConfig
+    from engine.model.build import build_hf_model
+
+    model = build_hf_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=64), "", 12, seed=0,
+                           pad_token_id=0, eos_token_id=1)
+    assert model.get_input_embeddings().padding_idx is None
+    ids = torch.tensor([[3, 4, 0, 5, 0], [6, 7, 8, 0, 0]])      # row 0 samples pad at position 2
+    attn = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])     # trailing pads are padding
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    (logits[0, 3].logsumexp(-1) - logits[0, 3, 5]).backward()  # a loss on the token after the sampled pad
+    assert model.get_input_embeddings().weight.grad[0].abs().sum() > 0
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    (logits[1, 2].logsumexp(-1) - logits[1, 2, 8]).backward()  # only real tokens before it, pads after
+    assert model.get_input_embeddings().weight.grad[0].abs().sum() == 0

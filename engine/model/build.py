@@ -44,4 +44,18 @@ def build_hf_model(cfg: ModelConfig, path: str, vocab_size: int, seed: int,
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     model.config.use_cache = True
+    train_pad_embedding(model)
     return model
+
+
+def train_pad_embedding(model: torch.nn.Module) -> None:
+    """Give the pad token's embedding row its gradient. transformers builds the input embedding
+    with ``padding_idx=pad_token_id``, which freezes that row; but a policy can sample the pad
+    token as a real response token (a random-init policy does, often), and then its policy
+    gradient belongs to that row like any other. Padding itself never reaches the loss (masked in
+    attention and in the loss), so the row gets gradient only from real uses -- exactly what
+    megatron's embedding, which has no padding_idx, computes: both engines now train the same
+    model. (With a tied head the frozen row also froze the pad token's output logit.)"""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and getattr(emb, "padding_idx", None) is not None:
+        emb.padding_idx = None
