@@ -71,8 +71,14 @@ def test_environment_values_are_saved_as_interpolations_and_resolved_again_on_re
     r = rl("train", "trainer.total_steps=1", f"checkpoint.dir={d}", "task.answer_key=${oc.env:RL_TEST_SECRET}",
            *SMALL, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = rl("resume", str(d), "trainer.total_steps=2", cwd=tmp_path, env=env)
+    # a resume override that reads the environment: recorded (resumes.jsonl, the plan) as its text
+    r = rl("resume", str(d), "trainer.total_steps=2", "trainer.project=${oc.env:RL_TEST_SECRET}", cwd=tmp_path,
+           env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert secret not in r.stdout + r.stderr
+    changes = json.loads((d / "resumes.jsonl").read_text().splitlines()[-1])["config_changes"]
+    project = next(c for c in changes if c["key"] == "trainer.project")
+    assert (project["then"], project["now"], project["allowed"]) == ("rl", "${oc.env:RL_TEST_SECRET}", True)
     leaked = [str(p) for p in d.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == []
     assert "${oc.env:RL_TEST_SECRET}" in (d / "config.yaml").read_text()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.checkpoint.find import earlier_hint, find_checkpoint
@@ -112,6 +112,26 @@ class ResumePlan:
                                default=str) + "\n")
 
 
+def _as_written(change: ConfigChange, saved_raw: dict, overrides: list[str]) -> ConfigChange:
+    """``change`` with each side that reads an interpolation (``${oc.env:TOKEN}``, in the saved
+    config or in an override) shown as its text, not its resolved value: the plan is printed and
+    written to resumes.jsonl, and an environment value is never written out (as in config.yaml
+    and the manifests: engine/config/interpolation.py)."""
+    from engine.config.load import parse_override
+
+    then, now = change.then, change.now
+    node = saved_raw
+    for part in change.key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, str) and "${" in node:
+        then = node
+    for o in overrides:
+        _prefix, key, value = parse_override(o)
+        if key == change.key and "${" in value:
+            now = value
+    return replace(change, then=then, now=now)
+
+
 def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial: bool = False,
                 verify: bool = True) -> ResumePlan:
     """Everything `rl resume PATH OVERRIDES` would do, read from disk; writes nothing.
@@ -167,7 +187,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         f"the directory and resume the copy.")
     cfg.checkpoint.dir = str(root)
     saved_cfg.checkpoint.dir = str(root)
-    changes = classify_changes(diff_configs(saved_cfg, cfg))
+    changes = [_as_written(c, manifest["config"], applied) for c in classify_changes(diff_configs(saved_cfg, cfg))]
     for c in changes:
         if not c.allowed:
             refusals.append(f"{c.key} cannot change on resume ({c.then!r} -> {c.now!r}): {c.reason}. Drop the "
