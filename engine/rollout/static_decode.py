@@ -5,10 +5,10 @@ The prefill still runs through the model's own forward (any prompt layout, exact
 transformers computes it); each following one-token step runs here instead: the model's own
 modules (norms, projections, MLP, head, rotary embedding) called directly, keys and values
 written in place into a cache sized for the whole response, and one SDPA call per layer over
-the cache with a boolean mask (on a CPU, q/k/v and gate/up each run as one wider matmul). What this skips per token is transformers' per-call machinery
-(output capture, mask construction, a cache that grows by concatenation, i.e. copies the whole
-cache every token) and any wrapper hooks (FSDP2's, which have nothing to do while the weights
-stay gathered for sampling).
+the cache with a boolean mask (on a CPU, q/k/v and gate/up each run as one wider matmul). What
+this skips per token is transformers' per-call machinery (output capture, mask construction, a
+cache that grows by concatenation, i.e. copies the whole cache every token) and any wrapper hooks
+(FSDP2's, which have nothing to do while the weights stay gathered for sampling).
 
 Supported: decoder layers with ``self_attn.{q,k,v,o}_proj`` (biases allowed: Qwen2), optional
 per-head ``q_norm``/``k_norm`` (Qwen3), grouped-query attention, any rotary scaling the model's

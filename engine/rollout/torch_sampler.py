@@ -154,7 +154,7 @@ class TorchSampler(Sampler):
                     live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
                     attn = attn[keep_rows]
                     # the cache is largest just before finished rows leave it
-                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(static or cache))
+                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, (static.cache_bytes() if static is not None else _cache_bytes(cache)))
                     if static is not None:
                         static.select(keep_rows)
                     else:
@@ -178,7 +178,7 @@ class TorchSampler(Sampler):
             if recorder is not None:  # the routing of response token t, fed in this forward
                 resp_rec[live, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
-        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(static or cache))
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, (static.cache_bytes() if static is not None else _cache_bytes(cache)))
         lengths = lengths.clamp(max=steps)
         routing = None
         if recorder is not None:
@@ -255,8 +255,6 @@ def _returned_cache(out):
 
 
 def _cache_bytes(cache) -> int:
-    if isinstance(cache, StaticDecode):
-        return cache.cache_bytes()
     total = 0
     try:
         for layer in getattr(cache, "layers", []):
