@@ -154,7 +154,7 @@ class TorchSampler(Sampler):
                     live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
                     attn = attn[keep_rows]
                     # the cache is largest just before finished rows leave it
-                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, (static.cache_bytes() if static is not None else _cache_bytes(cache)))
+                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache, static))
                     if static is not None:
                         static.select(keep_rows)
                     else:
@@ -178,7 +178,7 @@ class TorchSampler(Sampler):
             if recorder is not None:  # the routing of response token t, fed in this forward
                 resp_rec[live, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
-        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, (static.cache_bytes() if static is not None else _cache_bytes(cache)))
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache, static))
         lengths = lengths.clamp(max=steps)
         routing = None
         if recorder is not None:
@@ -254,7 +254,10 @@ def _returned_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
-def _cache_bytes(cache) -> int:
+def _cache_bytes(cache, static: StaticDecode | None = None) -> int:
+    """Bytes of the KV cache decoding uses now: the static one when it runs, else ``cache``."""
+    if static is not None:
+        return static.cache_bytes()
     total = 0
     try:
         for layer in getattr(cache, "layers", []):
