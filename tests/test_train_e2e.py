@@ -52,7 +52,9 @@ def test_rl_train_two_ranks_learns(tmp_path):
 @pytest.mark.slow
 def test_rl_train_prompt_file_with_user_reward(tmp_path):
     """task=jsonl with task.reward_fn=module:function imported from the current directory
-    (as TRL users expect), on the tiny model with the built-in character tokenizer."""
+    (as TRL users expect), on the tiny model with the built-in character tokenizer. The run
+    directory is relative (`ck`): on the session's joined Ray head (tests/conftest.py) the ranks
+    work in another directory, so it must reach them absolute."""
     rows = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 8]
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "myrewards.py").write_text(

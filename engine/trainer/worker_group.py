@@ -44,6 +44,11 @@ def wire_bytes(obj) -> int:
     return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _absolute(path: str | Path) -> str:
+    """``path`` made absolute against the driver's working directory ("" stays "")."""
+    return os.path.abspath(path) if str(path) else ""
+
+
 class WorkerGroup:
     def __init__(self, cfg: RunConfig, model_path: str, vocab: dict, run_dir: Path | None = None):
         import ray
@@ -53,8 +58,12 @@ class WorkerGroup:
         from engine.trainer.worker import RankWorker
 
         self.cfg = cfg
+        # paths go to the ranks absolute: a rank's working directory is the driver's only on a
+        # private local Ray; on a joined cluster a relative checkpoint.dir or model.path would
+        # resolve against the worker's own directory
+        model_path = _absolute(model_path)
         self.model_path = model_path  # the resolved local directory ("" = tiny built-in model)
-        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.checkpoint.dir)
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.checkpoint.dir).absolute()
         self.timeout = cfg.trainer.ray_timeout_s
         self.bytes_sent = self.bytes_received = 0
         t = cfg.trainer
@@ -65,6 +74,9 @@ class WorkerGroup:
         self.pg = create_placement_group(self.plan, self.timeout)
         actor = ray.remote(num_cpus=self.plan.rank_resources["CPU"], num_gpus=gpus)(RankWorker)
         cfg_dict = asdict(cfg)
+        critic_path = cfg_dict["critic"]["model_path"]
+        if critic_path and os.path.exists(critic_path):  # a local directory (else a hub id)
+            cfg_dict["critic"]["model_path"] = _absolute(critic_path)
         env = rank_env(threads)  # passive OpenMP waits: engine/threads.py
         self.actors = [
             actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -242,14 +254,14 @@ class WorkerGroup:
     def save(self, run_dir: str, step: int) -> dict:
         """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler) and, under
         "files", every rank's {file: [bytes, content hash]} (hashed while written)."""
-        outs = self._all("save", [(run_dir, step)] * len(self.actors), "the checkpoint save")
+        outs = self._all("save", [(_absolute(run_dir), step)] * len(self.actors), "the checkpoint save")
         files = {}
         for o in outs:
             files.update(o.get("files") or {})
         return outs[0] | {"files": files}
 
     def load(self, step_dir: str, plan: dict) -> list[dict]:
-        return self._all("load", [(step_dir, plan)] * len(self.actors), "the checkpoint load")
+        return self._all("load", [(_absolute(step_dir), plan)] * len(self.actors), "the checkpoint load")
 
     def checkpoint_facts(self) -> dict:
         return self._collect([self.actors[0].checkpoint_facts.remote()], "checkpoint facts")[0]
