@@ -1,7 +1,8 @@
 """A local run listens on loopback only, and its Ray processes end with it even when only the
 `rl` process is SIGKILLed (issue 19, findings 5 and 8).
 
-One real 2-rank `rl train` is started for the module; the tests look at it while it trains
+One real 2-rank `rl train` on its own private Ray (not the session's head, tests/conftest.py)
+is started for the module; the tests look at it while it trains
 (after its first metrics row is on disk), then kill it."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def running_train(tmp_path_factory):
     d = tmp_path_factory.mktemp("listen") / "ckpt"
     proc = subprocess.Popen(rl_cmd("train", "trainer.nprocs=2", "trainer.total_steps=1000", "data.train_batch_size=4",
                                    "algorithm.rollout_n=2", "checkpoint.save_freq=0", f"checkpoint.dir={d}"),
-                            env=child_env(), stdout=open(d.parent / "train.log", "w"), stderr=subprocess.STDOUT,
+                            env=child_env(RAY_ADDRESS=None), stdout=open(d.parent / "train.log", "w"), stderr=subprocess.STDOUT,
                             text=True)  # a file, not an unread pipe: 1000 steps of rows would fill a pipe
     seen: list[psutil.Process] = []
     try:

@@ -552,7 +552,10 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 def start(*args, log: Path) -> subprocess.Popen:
+    """A run to SIGKILL: on its own private Ray (not the session's head, tests/conftest.py), so
+    that its ranks are in its session and die with it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", NO_COLOR="1")
+    env.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-m", "rlcli.main", *args], stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
