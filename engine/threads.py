@@ -19,6 +19,11 @@ import os
 
 # passive OpenMP waits (libgomp and Intel OpenMP), set unless the user chose otherwise
 PASSIVE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# a user's own spin setting, passed on to the ranks as they set it. On a dedicated, otherwise
+# idle machine a short spin before sleeping (``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=3000``,
+# ~150 us here) saves the wake-up of every parallel region; measured figures and the cost on a
+# busy machine: docs/benchmarks.md, "Busy machine".
+USER_OMP_VARS = ("GOMP_SPINCOUNT",)
 
 
 def apply_process_defaults() -> None:
@@ -28,8 +33,11 @@ def apply_process_defaults() -> None:
 
 
 def rank_env(threads: int) -> dict[str, str]:
-    """Environment of a rank worker process: its intra-op thread count and passive waits."""
+    """Environment of a rank worker process: its intra-op thread count and passive waits, or
+    the wait settings the user chose (a joined cluster's workers do not inherit the driver's
+    environment, so they are passed explicitly)."""
     env = {k: os.environ.get(k, v) for k, v in PASSIVE_OMP_ENV.items()}
+    env.update({k: os.environ[k] for k in USER_OMP_VARS if k in os.environ})
     return {"OMP_NUM_THREADS": str(max(1, threads)), **env}
 
 

@@ -47,3 +47,18 @@ def test_rank_keeps_its_threads_on_a_busy_machine_unless_adapt_threads(monkeypat
     finally:
         w.shutdown()
         torch.set_num_threads(before)
+
+
+def test_rank_env_is_passive_unless_the_user_chose_a_wait_policy(monkeypatch):
+    """Ranks get passive OpenMP waits by default; a user's own OMP_WAIT_POLICY, KMP_BLOCKTIME and
+    GOMP_SPINCOUNT reach them as set (explicitly: a joined cluster's workers do not inherit the
+    driver's environment)."""
+    from engine.threads import rank_env
+
+    for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert rank_env(2) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
+    env = rank_env(0)
+    assert env["OMP_NUM_THREADS"] == "1" and env["OMP_WAIT_POLICY"] == "ACTIVE" and env["GOMP_SPINCOUNT"] == "3000"
