@@ -4,6 +4,7 @@ same run, with the update's achieved FLOP/s as a fraction of a matmul peak measu
     OMP_NUM_THREADS=2 python bench/train_throughput.py                  # the issue-17 shape (3.4M)
     OMP_NUM_THREADS=2 python bench/train_throughput.py --hidden 64 --layers 2 --heads 4 --kv-heads 2 \
         --intermediate 128 --vocab 32 --prompts 32 --n 8 --new-tokens 12   # the embedded default's size
+    OMP_NUM_THREADS=2 python bench/train_throughput.py --modes fast --ignore-eos --hog 1   # a busy machine
 
 Two engines with the same initial weights run alternately, step by step:
 ``plain`` -- the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -54,6 +57,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["plain", "fast"], choices=["plain", "dynamic", "fast"],
                     help="dynamic = fast but decoding through the model's own forward (no static KV cache)")
+    ap.add_argument("--hog", type=int, default=0,
+                    help="busy-loop processes running during the measured steps (a busy machine)")
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
@@ -89,31 +94,43 @@ def main() -> None:
     eng0 = next(iter(runs.values()))["eng"]
     n_params = eng0.param_count()
     matmul_params = n_params - args.hidden * args.vocab  # the input embedding is a lookup
+
+    def _steps(args, runs, prompts) -> None:
+        for step in range(args.steps + 1):
+            for mode, r in runs.items():
+                eng, sampler = r["eng"], r["sampler"]
+                t0 = time.perf_counter()
+                with eng.generation_model() as m:
+                    batch = sampler.generate(m, prompts, args.n, r["gen"])
+                t1 = time.perf_counter()
+                rewards = torch.rand(len(batch), generator=r["gen"])
+                batch.advantages = token_advantages(grpo_advantages(rewards, args.n), batch.response_mask)
+                t2 = time.perf_counter()
+                stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
+                t3 = time.perf_counter()
+                if step == 0:
+                    continue  # warm-up
+                r["roll"].append(t1 - t0)
+                r["roll_tok"].append(float(batch.response_mask.sum()))
+                r["upd"].append(t3 - t2)
+                r["upd_tok"].append(stats.tokens)
+
     peaks = [matmul_peak_flops()]
     loads = [os.getloadavg()[0]]
-    for step in range(args.steps + 1):
-        for mode, r in runs.items():
-            eng, sampler = r["eng"], r["sampler"]
-            t0 = time.perf_counter()
-            with eng.generation_model() as m:
-                batch = sampler.generate(m, prompts, args.n, r["gen"])
-            t1 = time.perf_counter()
-            rewards = torch.rand(len(batch), generator=r["gen"])
-            batch.advantages = token_advantages(grpo_advantages(rewards, args.n), batch.response_mask)
-            t2 = time.perf_counter()
-            stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, 1))
-            t3 = time.perf_counter()
-            if step == 0:
-                continue  # warm-up
-            r["roll"].append(t1 - t0)
-            r["roll_tok"].append(float(batch.response_mask.sum()))
-            r["upd"].append(t3 - t2)
-            r["upd_tok"].append(stats.tokens)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    try:
+        _steps(args, runs, prompts)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     peaks.append(matmul_peak_flops())
     loads.append(os.getloadavg()[0])
     peak = statistics.median(peaks)
     print(f"model: {n_params:,} params (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "
-          f"threads {threads}, load {min(loads):.1f}-{max(loads):.1f}")
+          f"threads {threads}, load {min(loads):.1f}-{max(loads):.1f}, OpenMP waits "
+          f"{os.environ.get('OMP_WAIT_POLICY', '-')}, spin count {os.environ.get('GOMP_SPINCOUNT', '-')}, "
+          f"{args.hog} busy processes during the steps")
     print(f"batch: {args.prompts} prompts x {args.n} samples, prompts {lo}-{hi} tokens, up to {args.new_tokens} new "
           f"tokens{' (fixed length)' if args.ignore_eos else ''}, {args.steps} steps after 1 warm-up, medians")
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32 1024^3, measured before and after)")
