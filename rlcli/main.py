@@ -32,7 +32,13 @@ def main() -> None:
         from rlcli.completion_keys import speed_up_completion
 
         speed_up_completion()
-    app()
+    from rlcli.fast_exit import leave
+
+    try:
+        app()
+    except SystemExit as e:
+        leave(e.code)
+    leave(0)
 
 
 if __name__ == "__main__":
