@@ -5,15 +5,16 @@ head for the whole session that the runs join.
 The session's Ray head: every real `rl train`/`rl resume` used to start and stop its own
 private Ray, ~3 s of each run's ~11 s (docs/benchmarks.md, "Test suite"), and the suite makes
 ~110 of them. Here one loopback head (`ray start --head` on 127.0.0.1, its own RAY_TMPDIR,
-no prestarted workers) is started once and RAY_ADDRESS points the runs at it: the documented
+no prestarted workers, its Ray client server on a free port) is started once and RAY_ADDRESS points the runs at it: the documented
 way to run on an existing cluster (engine/trainer/ray_cluster.py), so each run is still a
 real Ray job with its own placement group and rank actors. The tests of the private Ray
 itself opt out by unsetting RAY_ADDRESS for their runs: test_listeners (loopback sockets and
 the reaper after SIGKILL), test_cluster_local, the network-namespace clusters and
 test_resume's SIGKILL runs (a killed driver's ranks must die with its session there).
 `RL_TEST_PRIVATE_RAY=1` runs the whole suite on private Rays, as before.
-Teardown ends exactly this head's processes (never `ray stop`, which ends every Ray on the
-machine) and removes its temp dir."""
+Teardown ends exactly this head's processes, found by its temp dir and by its address (the
+Ray client server names only the latter; never `ray stop`, which ends every Ray on the
+machine), and removes its temp dir."""
 
 import os
 import shutil
@@ -47,6 +48,7 @@ def session_ray_head():
     ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray") or "ray"
     r = subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                         f"--num-cpus={SESSION_RAY_CPUS}", "--include-dashboard=false", "--disable-usage-stats",
+                        f"--ray-client-server-port={free_port()}",  # not 10001: never shared with another Ray
                         '--system-config={"prestart_worker_first_driver": false}'],
                        env=env, capture_output=True, text=True, timeout=180)
     try:
@@ -57,5 +59,5 @@ def session_ray_head():
     finally:
         os.environ.pop("RAY_ADDRESS", None)
         os.environ.pop("RAY_TMPDIR", None)
-        kill_all(processes_naming(tmp))
+        kill_all(processes_naming(tmp) + processes_naming(f"127.0.0.1:{port}"))
         shutil.rmtree(tmp, ignore_errors=True)

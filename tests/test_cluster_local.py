@@ -57,14 +57,14 @@ def head_cluster():
     port = free_port()
     env = child_env(RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_ADDRESS=None)
     r = subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
-                        "--include-dashboard=false", "--disable-usage-stats"], env=env, capture_output=True, text=True,
-                       timeout=180)
+                        "--include-dashboard=false", "--disable-usage-stats", f"--ray-client-server-port={free_port()}"],
+                       env=env, capture_output=True, text=True, timeout=180)
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert (tmp / "ray" / "ray_current_cluster").exists()
         yield tmp, f"127.0.0.1:{port}"
     finally:
-        kill_all(processes_naming(str(tmp)))
+        kill_all(processes_naming(str(tmp)) + processes_naming(f"127.0.0.1:{port}"))  # the head's and those naming it
 
 
 def _sessions(tmp: Path) -> set[str]:
