@@ -7,10 +7,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,3 +137,25 @@ def kill_all(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive(procs), timeout=grace_s)
+
+
+class LoopbackHead:
+    """A real `ray start --head` on 127.0.0.1 with its own RAY_TMPDIR (short: Ray's socket
+    paths must fit 107 bytes) and its Ray client server on a free port (not 10001, which
+    another Ray may hold). ``stop()`` ends exactly its processes: those naming its temp dir and
+    those naming its address (the client server names only that), never `ray stop`; then
+    removes the temp dir."""
+
+    def __init__(self, prefix: str, num_cpus: int, env: dict, *extra: str):
+        self.tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        self.address = f"127.0.0.1:{free_port()}"
+        ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+        self.started = subprocess.run(
+            [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.address.split(':')[1]}",
+             f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats",
+             f"--ray-client-server-port={free_port()}", *extra],
+            env={**env, "RAY_TMPDIR": str(self.tmp)}, capture_output=True, text=True, timeout=180)
+
+    def stop(self) -> None:
+        kill_all(processes_naming(str(self.tmp)) + processes_naming(self.address))
+        shutil.rmtree(self.tmp, ignore_errors=True)

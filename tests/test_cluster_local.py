@@ -9,13 +9,12 @@ on the machine)."""
 from __future__ import annotations
 
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from engine.trainer.ray_cluster import RayTarget, resolve_address
-from tests.ray_procs import child_env, free_port, kill_all, processes_naming, rl_cmd
+from tests.ray_procs import LoopbackHead, child_env, rl_cmd
 
 TINY = ("trainer.total_steps=1", "data.train_batch_size=2", "algorithm.rollout_n=2", "checkpoint.save_final=false")
 
@@ -53,18 +52,13 @@ def test_local_only_setting_is_set_for_local_runs_and_removed_for_cluster_driver
 
 @pytest.fixture(scope="module")
 def head_cluster():
-    tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    port = free_port()
-    env = child_env(RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_ADDRESS=None)
-    r = subprocess.run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
-                        "--include-dashboard=false", "--disable-usage-stats", f"--ray-client-server-port={free_port()}"],
-                       env=env, capture_output=True, text=True, timeout=180)
+    head = LoopbackHead("rlh-", 1, child_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_ADDRESS=None))
     try:
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert (tmp / "ray" / "ray_current_cluster").exists()
-        yield tmp, f"127.0.0.1:{port}"
+        assert head.started.returncode == 0, head.started.stdout + head.started.stderr
+        assert (head.tmp / "ray" / "ray_current_cluster").exists()
+        yield head.tmp, head.address
     finally:
-        kill_all(processes_naming(str(tmp)) + processes_naming(f"127.0.0.1:{port}"))  # the head's and those naming it
+        head.stop()
 
 
 def _sessions(tmp: Path) -> set[str]:
