@@ -93,3 +93,22 @@ def test_micro_batches_keep_prompt_groups_and_order(model):
                                                           greedy=True)
     assert torch.equal(whole.input_ids, chunked.input_ids)
     assert torch.equal(whole.prompt_lengths, torch.tensor([len(p) for p in PROMPTS for _ in range(3)]))
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_probabilities():
+    """The fast sampler's token draw (engine.rollout.torch_sampler.sample_inverse_cdf) has the
+    distribution of the probabilities it is given (unnormalised rows too), and never returns a
+    token of probability 0: the first, the last and one in the middle are zero here."""
+    from engine.rollout.torch_sampler import sample_inverse_cdf
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    rows = 20000
+    draws = sample_inverse_cdf(probs.repeat(rows, 1) * 3.0, torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * rows
+    nz = probs > 0
+    chi2 = float((((counts - expected)[nz]) ** 2 / expected[nz]).sum())
+    assert chi2 < 16.3, (counts, chi2)  # 3 degrees of freedom: p = 0.001
+    edge = torch.tensor([[0.0, 1.0, 0.0]])  # all mass on one token, any draw
+    assert all(int(sample_inverse_cdf(edge, torch.Generator().manual_seed(s))) == 1 for s in range(50))

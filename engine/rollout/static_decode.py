@@ -4,8 +4,9 @@ sampler (engine/rollout/torch_sampler.py).
 The prefill still runs through the model's own forward (any prompt layout, exactly as
 transformers computes it); each following one-token step runs here instead: the model's own
 modules (norms, projections, MLP, head, rotary embedding) called directly, keys and values
-written in place into a cache sized for the whole response, and one SDPA call per layer over
-the cache with a boolean mask (on a CPU, q/k/v and gate/up each run as one wider matmul). What
+written in place into a cache sized for the whole response, and attention as two batched
+matmuls per layer over the cache with an additive mask (on a CPU, q/k/v and gate/up each run as
+one wider matmul). What
 this skips per token is transformers' per-call machinery (output capture, mask construction, a
 cache that grows by concatenation, i.e. copies the whole cache every token) and any wrapper hooks
 (FSDP2's, which have nothing to do while the weights stay gathered for sampling).
@@ -83,7 +84,7 @@ class StaticDecode:
     """One chunk's decode state: the KV cache of every layer as [B, kv_heads, P + N, head_dim]
     and which cache positions each row may attend to."""
 
-    def __init__(self, model, parts, keys: list, values: list, visible: torch.Tensor, filled: int):
+    def __init__(self, model, parts, keys: list, values: list, bias: torch.Tensor, filled: int):
         self.model = model
         self.inner, self.layers, self.head = parts
         cfg = model.config
@@ -92,7 +93,9 @@ class StaticDecode:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scale = self.head_dim ** -0.5
         self.keys, self.values = keys, values
-        self.visible = visible        # [B, P + N] bool: prompt tokens (not padding) and tokens fed so far
+        # [B, P + N] additive mask, added to the attention scores: 0 at prompt tokens (not padding)
+        # and tokens fed so far, -inf elsewhere
+        self.bias = bias
         self.filled = filled          # cache positions written
         # on a CPU, q|k|v and gate|up as one matmul each: fewer, wider matmuls, which small decode
         # batches need there (1.18x -> 1.28x rollout speed at the benchmark shape). The fused
@@ -126,40 +129,54 @@ class StaticDecode:
             keys.append(kk)
             values.append(vv)
         B, P = attention_mask.shape
-        visible = torch.zeros((B, P + max_new_tokens), dtype=torch.bool, device=attention_mask.device)
-        visible[:, :P] = attention_mask.bool()
-        return cls(model, parts, keys, values, visible, P)
+        bias = torch.full((B, P + max_new_tokens), float("-inf"), dtype=keys[0].dtype, device=attention_mask.device)
+        bias[:, :P].masked_fill_(attention_mask.bool(), 0.0)
+        return cls(model, parts, keys, values, bias, P)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows leave the batch)."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
-        self.visible = self.visible.index_select(0, rows)
+        self.bias = self.bias.index_select(0, rows)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def _attend(self, q: torch.Tensor, i: int, length: int, bias: torch.Tensor) -> torch.Tensor:
+        """One query per row against layer ``i``'s first ``length`` cache positions: [B, heads, D].
+
+        Two batched matmuls over (row, key/value head), the query heads that share a key/value
+        head stacked as rows of one matmul, and the mask added to the scores in between. On a
+        CPU this is ~2-3x faster than SDPA's kernel for a single query position (which is built
+        for long query blocks), and it never copies keys/values per query head."""
+        B, KV, D = q.shape[0], self.kv_heads, self.head_dim
+        g = self.heads // KV
+        keys = self.keys[i][:, :, :length].reshape(B * KV, length, D)       # views: rows and heads merge
+        values = self.values[i][:, :, :length].reshape(B * KV, length, D)
+        scores = torch.bmm(q.reshape(B * KV, g, D), keys.transpose(1, 2))   # [B*KV, g, L]
+        scores = scores.view(B, KV * g, length).mul_(self.scale).add_(bias)   # the mask: one row per batch row
+        return torch.bmm(scores.softmax(-1).view(B * KV, g, length), values).view(B, self.heads, D)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``tokens`` [B], ``positions`` [B, 1]); logits [B, vocab]."""
         B, t = tokens.shape[0], self.filled
-        self.visible[:, t] = True
-        mask = self.visible[:, None, None, :t + 1]                    # [B, 1, 1, L]
+        self.bias[:, t] = 0.0
+        bias = self.bias[:, None, :t + 1]                             # [B, 1, L]
         x = self.inner.embed_tokens(tokens[:, None])                  # [B, 1, hidden]
         cos, sin = self.inner.rotary_emb(x, positions)                # [B, 1, head_dim]
         cos, sin = cos[:, None], sin[:, None]                         # [B, 1, 1, head_dim]
-        gqa = self.kv_heads != self.heads
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             if self.qkv[i] is not None:
-                q, k, v = F.linear(h, *self.qkv[i]).split(
-                    [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
+                q, k, v = F.linear(h, *self.qkv[i]).split([H * D, KV * D, KV * D], -1)
             else:
                 q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.view(B, 1, self.heads, self.head_dim)
-            k = k.view(B, 1, self.kv_heads, self.head_dim)
-            v = v.view(B, 1, self.kv_heads, self.head_dim)
+            q = q.view(B, 1, H, D)
+            k = k.view(B, 1, KV, D)
+            v = v.view(B, 1, KV, D)
             if getattr(attn, "q_norm", None) is not None:
                 q = attn.q_norm(q)
             if getattr(attn, "k_norm", None) is not None:
@@ -169,9 +186,7 @@ class StaticDecode:
             k = k * cos + _rotate_half(k) * sin
             self.keys[i][:, :, t:t + 1] = k
             self.values[i][:, :, t:t + 1] = v
-            o = F.scaled_dot_product_attention(q, self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1],
-                                               attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, 1, self.heads * self.head_dim))
+            x = x + attn.o_proj(self._attend(q, i, t + 1, bias).view(B, 1, H * D))
             h = layer.post_attention_layernorm(x)
             if self.gate_up[i] is not None:
                 gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
