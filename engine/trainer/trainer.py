@@ -3,6 +3,10 @@
     rollout (ranks sample n responses per prompt)  ->  reward (driver, task's rule)
     -> advantages (GRPO, per prompt group)  ->  reference / old log-probs (ranks)
     -> policy update (ranks, PPO-clip, micro-batched)  ->  metrics, checkpoint
+
+The ranks are launched before the driver loads torch: this module imports it (and the
+algorithms that need it) inside the functions that use it, and ``_run`` loads them while the
+ranks start (engine/trainer/worker_group.py).
 """
 
 from __future__ import annotations
@@ -12,14 +16,9 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from engine.algorithms.alarms import AlarmMonitor
-from engine.algorithms.dynamic_sampling import Rollout
-from engine.algorithms.estimators import compute_advantages
-from engine.batch import SequenceBatch
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.checkpoint.run_files import truncate_jsonl
 from engine.config.schema import RunConfig
@@ -32,6 +31,10 @@ from engine.trainer.data import PromptStream
 from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
 from engine.trainer.setup import RunInputs
+
+if TYPE_CHECKING:
+    from engine.algorithms.dynamic_sampling import Rollout
+    from engine.batch import SequenceBatch
 
 
 def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
@@ -71,7 +74,13 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
         with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1) as (_, ray_target):
             with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
-                workers = WorkerGroup(cfg, inputs.model_path, inputs.vocab, run_dir)
+                workers = WorkerGroup(cfg, run_dir)  # launched: each rank starts and imports torch
+                try:
+                    _load_step_modules()  # the driver's own imports, meanwhile
+                    workers.start(inputs.model_path, inputs.vocab)
+                except BaseException:
+                    workers.shutdown(graceful=False)
+                    raise
             try:
                 if resume is not None:
                     step_dir = Path(resume.step_dir)
@@ -152,6 +161,14 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
     return summary
 
 
+def _load_step_modules() -> None:
+    """torch and the step's algorithms (imported where used; loaded here once, ahead of time)."""
+    import torch  # noqa: F401
+
+    import engine.algorithms.dynamic_sampling  # noqa: F401
+    import engine.algorithms.estimators  # noqa: F401
+
+
 def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, step: int) -> StepRecord:
     timing = {}
     t0 = time.perf_counter()
@@ -186,6 +203,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
         batch.values = workers.values(batch)
     timing["log_probs"] = time.perf_counter() - t
+    from engine.algorithms.estimators import compute_advantages
+
     est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok, values=batch.values,
                              max_len=cfg.rollout.max_new_tokens)
     batch.advantages, batch.returns = est.advantages, est.returns
@@ -276,6 +295,10 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
     functions (engine/rewards: serially or in a process pool); adds to ``timing`` (rollout, reward),
     ``gen_stats`` (per rank) and ``scores`` (engine.rewards.compute.RewardScores per draw)."""
+    import torch
+
+    from engine.algorithms.dynamic_sampling import Rollout
+
     t = time.perf_counter()
     idx = stream.next_indices(k)
     examples = [inputs.task.train[i] for i in idx]
@@ -297,6 +320,8 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
 
 def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> float:
     """Fraction of responses cut at max_new_tokens: that long, and not ending with EOS."""
+    import torch
+
     mask = batch.response_mask
     lengths = mask.sum(-1)
     positions = torch.arange(mask.shape[1]).expand_as(mask)

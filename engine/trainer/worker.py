@@ -1,5 +1,8 @@
 """One training rank: a Ray actor that owns the engine (policy, reference, optimizer) and
-the sampler, inside a torch.distributed process group shared with the other ranks."""
+the sampler, inside a torch.distributed process group shared with the other ranks.
+
+torch is imported by the rank itself (in ``__init__``), not at the top of this module: the driver
+imports this module to launch the actors before it has loaded torch (engine/trainer/worker_group.py)."""
 
 from __future__ import annotations
 
@@ -8,34 +11,48 @@ import resource
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
 from engine.threads import adapt_threads, configure_torch_threads
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.batch import SequenceBatch
 
 
 def rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _preload(cfg: RunConfig) -> None:
+    """Import what ``setup`` builds with (~2 s on a 2-core machine), while the driver is still
+    busy with its own start-up and has not called ``setup`` yet."""
+    import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
+
+    if cfg.engine.name == "fsdp":
+        import torch.distributed.fsdp  # noqa: F401
+
+
 class RankWorker:
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, model_path: str, vocab: dict, threads: int):
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, threads: int):
         from engine.config.validate import build_run_config
 
         self.cfg: RunConfig = build_run_config(cfg_dict)
         self.rank, self.world_size = rank, world_size
         self._store_fd = None
-        self.model_path = model_path
-        self.vocab = vocab
-        configure_torch_threads(threads)
+        self.model_path, self.vocab = "", {}  # set by setup()
+        configure_torch_threads(threads)  # before torch's first parallel region: its thread pool
         # trainer.adapt_threads (with threads_per_rank=0): follow the free cores each phase; only
         # when asked, because the thread count changes how float sums are split
         t = self.cfg.trainer
         self._max_threads = threads if t.threads_per_rank == 0 and t.adapt_threads else 0
+        import torch
+
         torch.use_deterministic_algorithms(False)
+        _preload(self.cfg)
 
     # ---- setup --------------------------------------------------------------------------
     def placement(self) -> dict:
@@ -65,12 +82,16 @@ class RankWorker:
             return f"cannot read {marker}: {e.strerror or e}"
         return "" if seen == token else f"{marker} holds another run's marker"
 
-    def setup(self, store_host: str, store_port: int) -> dict:
+    def setup(self, store_host: str, store_port: int, model_path: str, vocab: dict) -> dict:
+        """Join the process group at rank 0's store and build the engine and sampler for
+        ``model_path`` ("" = the tiny built-in model) with ``vocab`` ({"size", "pad", "eos"})."""
+        import torch
         import torch.distributed as dist
 
         from engine.device import dist_backend, resolve_device
         from engine.trainer.rendezvous import make_store, node_address, pin_interfaces
 
+        self.model_path, self.vocab = model_path, vocab
         self.device = resolve_device(self.cfg.trainer.device, self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

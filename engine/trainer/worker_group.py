@@ -1,6 +1,11 @@
 """The driver's handle on all rank workers: place them with a Ray placement group, start them
 in one process group (meeting at rank 0's node address), scatter a batch over data-parallel
-ranks, gather results back in order, and name the rank and node when one is lost."""
+ranks, gather results back in order, and name the rank and node when one is lost.
+
+Starting is two calls: ``WorkerGroup(cfg, run_dir)`` launches the rank actors and returns at
+once, ``start(model_path, vocab)`` waits for them and builds their engines. In between the driver
+loads torch (this module, like engine/trainer/worker.py, does not import it at the top), so a
+rank's process start and imports (~4 s on a 2-core machine) overlap the driver's own (~1 s)."""
 
 from __future__ import annotations
 
@@ -10,14 +15,17 @@ import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.batch import SequenceBatch
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.threads import rank_env
 from engine.trainer.ray_cluster import get, timeout_error
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.batch import SequenceBatch
 
 LOST_GRACE_S = 60.0  # after one rank fails, how long to wait for Ray to report which rank was lost
 
@@ -50,7 +58,8 @@ def _absolute(path: str | Path) -> str:
 
 
 class WorkerGroup:
-    def __init__(self, cfg: RunConfig, model_path: str, vocab: dict, run_dir: Path | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None):
+        """Launch one actor per rank in a placement group; returns without waiting for them."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -61,15 +70,16 @@ class WorkerGroup:
         # paths go to the ranks absolute: a rank's working directory is the driver's only on a
         # private local Ray; on a joined cluster a relative checkpoint.dir or model.path would
         # resolve against the worker's own directory
-        model_path = _absolute(model_path)
-        self.model_path = model_path  # the resolved local directory ("" = tiny built-in model)
         self.run_dir = Path(run_dir if run_dir is not None else cfg.checkpoint.dir).absolute()
+        self.model_path = ""
         self.timeout = cfg.trainer.ray_timeout_s
         self.bytes_sent = self.bytes_received = 0
+        self.placement, self.info, self._closed = [], [], False
         t = cfg.trainer
         n = t.nprocs
         threads = t.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
-        gpus = 1 if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else 0
+        # device=auto: a GPU per rank when the cluster has GPUs (Ray detects them on every node)
+        gpus = 1 if t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         self.plan = plan_placement(n, t.nnodes, t.ranks_per_node, t.placement, gpus)
         self.pg = create_placement_group(self.plan, self.timeout)
         actor = ray.remote(num_cpus=self.plan.rank_resources["CPU"], num_gpus=gpus)(RankWorker)
@@ -81,14 +91,20 @@ class WorkerGroup:
         self.actors = [
             actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=self.plan.bundle_of_rank[r])
-            ).remote(cfg_dict, r, n, model_path, vocab, threads) for r in range(n)]
-        self.placement = []
+            ).remote(cfg_dict, r, n, threads) for r in range(n)]
+
+    def start(self, model_path: str, vocab: dict) -> None:
+        """Wait for the launched ranks, check that they share checkpoint.dir, open their process
+        group and build every rank's engine and sampler for ``model_path`` ("" = the tiny
+        built-in model). On any failure the ranks are ended before the error propagates."""
+        self.model_path = model_path = _absolute(model_path)  # the resolved local directory
         try:
             self.placement = self._collect([a.placement.remote() for a in self.actors], "the ranks to start")
             self.check_shared_dir(self.run_dir)
             host, port = self._collect([self.actors[0].open_rendezvous.remote()], "rank 0's rendezvous")[0]
             self.rendezvous = f"{host}:{port}"
-            self.info = self._collect([a.setup.remote(host, port) for a in self.actors], "the ranks to start")
+            self.info = self._collect([a.setup.remote(host, port, model_path, vocab) for a in self.actors],
+                                      "the ranks to start")
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -193,6 +209,8 @@ class WorkerGroup:
         shards = [prompts[s] for s in slices]
         args = [(shards[inf["dp_rank"]], n, greedy) for inf in self.info]
         out = self._all("generate", args, "rollout")
+        from engine.batch import SequenceBatch
+
         parts = [out[self.dp_leaders[d]][0] for d in range(self.dp_size) if len(shards[d])]
         stats = [o[1] for o in out]
         return SequenceBatch.concat(parts), stats
@@ -202,6 +220,8 @@ class WorkerGroup:
         shards = [batch.select(s) for s in slices]
         out = self._all("log_probs", [(shards[inf["dp_rank"]], ref) for inf in self.info],
                         "reference log-probs" if ref else "old log-probs")
+        import torch
+
         T = batch.input_ids.shape[1]
         full = torch.zeros(len(batch), T)
         for d, s in enumerate(slices):
@@ -236,6 +256,8 @@ class WorkerGroup:
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
         out = self._all("values", self._dp_args(shards), "the critic's values")
+        import torch
+
         full = torch.zeros(len(batch), batch.input_ids.shape[1])
         for d, s in enumerate(slices):
             v = out[self.dp_leaders[d]]
@@ -277,9 +299,14 @@ class WorkerGroup:
         return self._all("offload", [()] * len(self.actors), "offload")
 
     def shutdown(self, graceful: bool = True) -> None:
+        """End every rank (``graceful``: let each finish its own shutdown first) and free the
+        placement group. Only the first call does anything."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self._closed:
+            return
+        self._closed = True
         if graceful:
             try:
                 get([a.shutdown.remote() for a in self.actors], 30, "shutdown")
