@@ -12,7 +12,6 @@ ranks start (engine/trainer/worker_group.py).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
