@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_utils import rl_concurrently
 from tests.test_completion import _bash_protocol, _run_rl, rl_bin, workdir  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,8 +23,11 @@ RUN = ["trainer.total_steps=2", "data.train_batch_size=8", "algorithm.rollout_n=
        "trainer.val_freq=2", "model.hidden_size=128", "model.num_attention_heads=4", "trainer.device=cpu"]
 
 
+RL_ENV = {"OMP_NUM_THREADS": "1"}  # with PYTHONPATH=REPO, as tests/cli_utils.rl_concurrently sets it
+
+
 def rl(*args, cwd=None, timeout=900):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **RL_ENV}
     return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env)
 
@@ -66,8 +70,18 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int = 12) -> 
 
 
 @pytest.fixture(scope="module")
-def fsdp1_run(tmp_path_factory):
-    return train_run(tmp_path_factory.mktemp("fsdp1") / "run")
+def fsdp_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """The 1-rank and the 2-rank FSDP runs, trained at once (independent: each its own directory)."""
+    one, two = tmp_path_factory.mktemp("fsdp1") / "run", tmp_path_factory.mktemp("fsdp2") / "run"
+    for r in rl_concurrently(["train", *RUN, f"checkpoint.dir={one}"],
+                             ["train", *RUN, f"checkpoint.dir={two}", "trainer.nprocs=2"], env=RL_ENV, timeout=900):
+        assert r.returncode == 0, r.stderr[-4000:]
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def fsdp1_run(fsdp_runs):
+    return fsdp_runs[0]
 
 
 def _round_trip(run_dir: Path, tmp_path: Path) -> None:
@@ -93,9 +107,9 @@ def test_round_trip_fsdp_one_rank(fsdp1_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_round_trip_fsdp_two_ranks(tmp_path):
+def test_round_trip_fsdp_two_ranks(fsdp_runs, tmp_path):
     """Same, from a checkpoint written by 2 FSDP ranks (each DCP file holds half of each tensor)."""
-    run = train_run(tmp_path / "run", "trainer.nprocs=2")
+    run = fsdp_runs[1]
     assert json.loads((run / "step_2" / "manifest.json").read_text())["world_size"] == 2
     _round_trip(run, tmp_path)
 
@@ -186,22 +200,25 @@ def test_refusals_exit_2_and_write_nothing(fsdp1_run, tmp_path):
         ([str(run), "--out", str(busy)], "--overwrite", None),
         ([str(plain), "--out", str(tmp_path / "o4")], "not an rl checkpoint", tmp_path / "o4"),
     ]
-    for args, needle, out in cases:
-        r = rl("export", *args)
+    # independent exports (each its own source or --out) run at once: the refusals and the good one
+    *refused, ok = rl_concurrently(*(["export", *args] for args, _, _ in cases),
+                                   ["export", str(run), "--out", str(tmp_path / "hf"), "--json"],
+                                   env=RL_ENV, timeout=900)
+    for (args, needle, out), r in zip(cases, refused):
         text = _text(r.stderr)
         assert r.returncode == 2 and needle in text and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
         if out is not None:
             assert not out.exists(), args
     assert [p.name for p in busy.iterdir()] == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
     assert not _no_leftovers(tmp_path)
-    ok = rl("export", str(run), "--out", str(tmp_path / "hf"), "--json")
     assert ok.returncode == 0, ok.stderr[-2000:]
     js = json.loads(ok.stdout)
     assert js["step"] == 2 and js["num_params"] > 0 and js["dtype"] == "float32"
     assert {f["name"] for f in js["files"]} >= {"config.json", "model.safetensors", "tokenizer.json"}
-    again = rl("export", str(tmp_path / "hf"))
+    again, replaced = rl_concurrently(["export", str(tmp_path / "hf")],
+                                      ["export", str(run), "--out", str(busy), "--overwrite", "--dtype", "float16"],
+                                      env=RL_ENV, timeout=900)
     assert again.returncode == 2 and "already a Hugging Face model directory" in _text(again.stderr)
-    replaced = rl("export", str(run), "--out", str(busy), "--overwrite", "--dtype", "float16")
     assert replaced.returncode == 0 and not (busy / "keep.txt").exists() and (busy / "config.json").exists()
     assert not _no_leftovers(tmp_path)
 

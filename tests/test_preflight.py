@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import cli, flat, rl
+from tests.cli_utils import cli, flat, rl_concurrently
 
 
 @pytest.fixture(autouse=True)
@@ -144,13 +144,15 @@ def test_megatron_without_megatron_core_names_the_extra(tmp_path):
     """Without megatron-core (hidden in a real subprocess), `--engine megatron` was a Ray
     traceback that left a run directory; now exit 2 naming the extra, nothing created."""
     hide = "sys.modules['megatron'] = None"
-    for args in (["train", "--engine", "megatron", "--dry-run"],
-                 ["train", "--engine", "megatron", "trainer.total_steps=1"]):
-        r = rl(*args, f"checkpoint.dir={tmp_path / 'run'}", pre=hide, cwd=tmp_path, timeout=300)
+    runs = {tmp_path / "dry": ["train", "--engine", "megatron", "--dry-run"],
+            tmp_path / "run": ["train", "--engine", "megatron", "trainer.total_steps=1"]}
+    results = rl_concurrently(*([*args, f"checkpoint.dir={d}"] for d, args in runs.items()), pre=hide, cwd=tmp_path,
+                              timeout=300)  # independent: each its own checkpoint.dir
+    for d, r in zip(runs, results):
         assert r.returncode == 2, r.stderr[-3000:]
         assert "Traceback" not in r.stderr
         assert "pip install 'rl[megatron]'" in flat(r.stderr)
-        assert not (tmp_path / "run").exists()
+        assert not d.exists()
 
 
 def test_error_text_is_not_eaten_by_rich_markup(tmp_path):

@@ -32,6 +32,7 @@ from engine.checkpoint.run_files import truncate_jsonl
 from engine.checkpoint.resume_rules import classify
 from engine.errors import CheckpointError
 from tests.ckpt_tools import reseal
+from tests.cli_utils import rl_concurrently
 
 TINY = ["trainer.total_steps=4", "checkpoint.save_freq=2", "data.train_batch_size=4", "algorithm.rollout_n=2"]
 
@@ -379,8 +380,11 @@ def test_truncate_jsonl_drops_rows_after_step(tmp_path):
 
 
 # ---- slow: the real thing ---------------------------------------------------------------
+RL_ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+
+
 def rl(*args, timeout=900):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", NO_COLOR="1")
+    env = dict(os.environ, **RL_ENV)
     return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -420,20 +424,29 @@ def stopped_after(src: Path, dst: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight1(tmp_path_factory) -> Path:
-    """1 rank, 4 steps, 8 prompts of 4 per step: step 2 ends exactly at an epoch boundary."""
-    d = tmp_path_factory.mktemp("straight1") / "run"
-    r = rl("train", *TINY, "task.num_train=8", f"checkpoint.dir={d}", "checkpoint.keep_last=0")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return d
+def straights(tmp_path_factory) -> tuple[Path, Path]:
+    """The two straight runs, started together (independent runs, each in its own directory):
+    see straight1 and straight2."""
+    d1 = tmp_path_factory.mktemp("straight1") / "run"
+    d2 = tmp_path_factory.mktemp("straight2") / "run"
+    r1, r2 = rl_concurrently(["train", *TINY, "task.num_train=8", f"checkpoint.dir={d1}", "checkpoint.keep_last=0"],
+                             ["train", *TINY, "trainer.nprocs=2", f"checkpoint.dir={d2}", "checkpoint.keep_last=0"],
+                             timeout=900, env=RL_ENV)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    return d1, d2
 
 
 @pytest.fixture(scope="module")
-def straight2(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("straight2") / "run"
-    r = rl("train", *TINY, "trainer.nprocs=2", f"checkpoint.dir={d}", "checkpoint.keep_last=0")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return d
+def straight1(straights) -> Path:
+    """1 rank, 4 steps, 8 prompts of 4 per step: step 2 ends exactly at an epoch boundary."""
+    return straights[0]
+
+
+@pytest.fixture(scope="module")
+def straight2(straights) -> Path:
+    """2 ranks, 4 steps."""
+    return straights[1]
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def rl(*args, timeout=900):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI")}
     env["WANDB_MODE"] = "offline"
     return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def flat(text: str) -> str:

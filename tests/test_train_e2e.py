@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.cli_utils import rl_concurrently
+
 
 def rl(*args, cwd=None, timeout=600):
     return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
@@ -60,11 +62,11 @@ def test_rl_train_prompt_file_with_user_reward(tmp_path):
     (tmp_path / "myrewards.py").write_text(
         "def starts_right(prompt, response, answer):\n"
         "    return float(response[:1] == answer[:1])\n")
-    r = rl("train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:starts_right",
-           "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
-           "checkpoint.dir=ck", "--json", cwd=tmp_path)
+    r, bad = rl_concurrently(["train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:starts_right",
+                              "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
+                              "checkpoint.dir=ck", "--json"],
+                             ["train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:nope",
+                              "checkpoint.dir=ck2"], cwd=tmp_path)  # independent runs, at once
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["steps_run"] == 2
-    bad = rl("train", "task=jsonl", "task.path=prompts.jsonl", "task.reward_fn=myrewards:nope",
-             "checkpoint.dir=ck2", cwd=tmp_path)
     assert bad.returncode == 2 and "no function `nope`" in bad.stderr

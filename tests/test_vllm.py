@@ -9,13 +9,12 @@ several checks on one engine.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from engine.config.load import load_run_config
+from tests.cli_utils import rl_concurrently
 from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.vllm
@@ -183,11 +182,13 @@ def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
           f"synced {r['check_synced'].max_abs:.2e}; memory {r['memory']}")
 
 
-def _rl_train(run_dir, *overrides):
-    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", f"checkpoint.dir={run_dir}", "--json",
-                        *overrides], capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout)
+def _rl_train(*runs):
+    """`rl train --json` for each (run_dir, overrides) at once (independent runs); their summaries."""
+    results = rl_concurrently(*(["train", f"checkpoint.dir={run_dir}", "--json", *overrides]
+                                for run_dir, overrides in runs), timeout=1200)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(r.stdout) for r in results]
 
 
 @pytest.mark.slow
@@ -197,8 +198,8 @@ def test_rl_train_vllm_learns_like_torch(vllm_importable, tmp_path):
     job and seed: reward of the last 10 steps at least double the first 10, and within 0.15 of
     the torch run's (sampling streams differ, so not equal)."""
     job = [*VLLM_TINY, "trainer.total_steps=30", "trainer.device=cpu", "checkpoint.save_final=false"]
-    torch_run = _rl_train(tmp_path / "torch", *job)
-    vllm_run = _rl_train(tmp_path / "vllm", *job, "rollout=vllm", "rollout.verify_sync=true")
+    torch_run, vllm_run = _rl_train((tmp_path / "torch", job),
+                                    (tmp_path / "vllm", [*job, "rollout=vllm", "rollout.verify_sync=true"]))
     print(f"torch {torch_run['reward_first10']:.3f} -> {torch_run['reward_last10']:.3f}; "
           f"vllm {vllm_run['reward_first10']:.3f} -> {vllm_run['reward_last10']:.3f}; "
           f"wall torch {torch_run['wall_time_s']:.0f}s vllm {vllm_run['wall_time_s']:.0f}s")
