@@ -24,7 +24,7 @@ def _f(default, help: str, **limits):
 class TrainerConfig:
     total_steps: int = _f(40, "RL steps to run (each: rollout, reward, advantages, update)", min=1)
     nprocs: int = _f(1, "training ranks (data-parallel x model-parallel), one Ray actor each", min=1)
-    device: str = _f("auto", "where ranks compute: auto picks cuda when available", choices=["auto", "cpu", "cuda"])
+    device: str = _f("auto", "where ranks compute: auto picks cuda when the Ray cluster has GPUs (a local Ray detects this machine's)", choices=["auto", "cpu", "cuda"])
     seed: int = _f(0, "seeds model init, data order and sampling on every rank (fits numpy and torch RNGs)",
                     min=0, max=2**32 - 1)
     val_freq: int = _f(0, "validate (greedy, held-out split) every N steps, plus before and after; 0 = off", min=0)
