@@ -29,11 +29,15 @@ def rss_peak_bytes() -> int:
 
 def _preload(cfg: RunConfig) -> None:
     """Import what ``setup`` builds with (~2 s on a 2-core machine), while the driver is still
-    busy with its own start-up and has not called ``setup`` yet."""
-    import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
+    busy with its own start-up and has not called ``setup`` yet. A failing import is left for
+    ``setup`` to raise, as a failure of the setup call rather than of the actor's creation."""
+    try:
+        import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
 
-    if cfg.engine.name == "fsdp":
-        import torch.distributed.fsdp  # noqa: F401
+        if cfg.engine.name == "fsdp":
+            import torch.distributed.fsdp  # noqa: F401
+    except Exception:
+        pass
 
 
 class RankWorker:
