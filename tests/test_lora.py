@@ -162,7 +162,11 @@ def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
-        assert torch.allclose(peft(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
+        unmerged, merged = peft(input_ids=ids).logits, plain(input_ids=ids).logits
+    # W x + s B (A x) and (W + s B A) x round differently in fp32, by an amount that depends on the
+    # CPU's kernels: up to 1.8e-4 at |logit| ~16 measured (1e-5 relative); a wrong merge (scale,
+    # transpose, a missed module) is off by orders of magnitude more
+    torch.testing.assert_close(unmerged, merged, rtol=1e-4, atol=1e-4)
 
     manifest["model"]["lora"]["base_sha256"] = "0" * 64
     (run / "step_40" / "manifest.json").write_text(json.dumps(manifest))

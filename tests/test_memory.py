@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import multiprocessing as mp
 import socket
 import warnings
@@ -212,9 +213,12 @@ def test_tracker_resets_peak_per_phase_and_validates_names():
     the next), records are JSON-able, and unknown or nested phases are refused."""
     tracker = MemoryTracker("cpu")
     with tracker.phase("rollout", step=3):
-        big = torch.ones(64 << 20, dtype=torch.uint8)      # 64 MiB, touched
-        big.add_(1)
-        del big
+        # 64 MiB of fresh pages, touched: an anonymous mapping, so the process's resident memory
+        # grows whatever the allocator holds free from earlier tests (a torch tensor of this size
+        # was once served from already-resident heap late in the suite, and RSS did not move)
+        big = mmap.mmap(-1, 64 << 20)
+        big.write(b"\1" * (64 << 20))
+        big.close()
     with tracker.phase("update"):
         tracker.record_bytes("kv_cache", 1234)
     a, b = tracker.phase_records()
