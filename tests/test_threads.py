@@ -49,6 +49,25 @@ def test_rank_keeps_its_threads_on_a_busy_machine_unless_adapt_threads(monkeypat
         torch.set_num_threads(before)
 
 
+def test_a_failing_preload_import_does_not_fail_the_rank_start(monkeypatch):
+    """A rank imports transformers while the driver is still starting up (the early launch). When
+    that import fails, the rank must still start: the failure is left to setup(), which imports
+    what it builds with, so the run reports a setup error rather than an actor that never came up
+    (which reads as a lost rank)."""
+    import sys
+
+    from engine.trainer.worker import RankWorker
+
+    monkeypatch.setitem(sys.modules, "transformers.modeling_utils", None)  # any import of it fails
+    cfg = load_run_config(["data.train_batch_size=2", "algorithm.rollout_n=2", "rollout.max_new_tokens=4",
+                           "trainer.device=cpu"]).config
+    before = torch.get_num_threads()
+    try:
+        RankWorker(asdict(cfg), 0, 1, 1).shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rank_env_is_passive_unless_the_user_chose_a_wait_policy(monkeypatch):
     """Ranks get passive OpenMP waits by default; a user's own OMP_WAIT_POLICY, KMP_BLOCKTIME and
     GOMP_SPINCOUNT reach them as set (explicitly: a joined cluster's workers do not inherit the
