@@ -214,8 +214,8 @@ def test_tracker_resets_peak_per_phase_and_validates_names():
     tracker = MemoryTracker("cpu")
     with tracker.phase("rollout", step=3):
         # 64 MiB of fresh pages, touched: an anonymous mapping, so the process's resident memory
-        # grows whatever the allocator holds free from earlier tests (a torch tensor of this size
-        # was once served from already-resident heap late in the suite, and RSS did not move)
+        # grows whatever the allocator holds free from earlier tests (late in one suite run, RSS
+        # did not move for a torch tensor of this size)
         big = mmap.mmap(-1, 64 << 20)
         big.write(b"\1" * (64 << 20))
         big.close()

@@ -7,6 +7,7 @@ on a shared machine (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -54,8 +55,6 @@ def test_a_failing_preload_import_does_not_fail_the_rank_start(monkeypatch):
     that import fails, the rank must still start: the failure is left to setup(), which imports
     what it builds with, so the run reports a setup error rather than an actor that never came up
     (which reads as a lost rank)."""
-    import sys
-
     from engine.trainer.worker import RankWorker
 
     monkeypatch.setitem(sys.modules, "transformers.modeling_utils", None)  # any import of it fails
