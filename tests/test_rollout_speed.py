@@ -103,7 +103,7 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_probabilit
 
     probs = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
     rows = 20000
-    draws = sample_inverse_cdf(probs.repeat(rows, 1) * 3.0, torch.Generator().manual_seed(0))
+    draws = sample_inverse_cdf(probs.repeat(rows, 1) * 3.0, torch.rand(rows, generator=torch.Generator().manual_seed(0)))
     counts = torch.bincount(draws, minlength=len(probs)).double()
     assert counts[probs == 0].sum() == 0
     expected = probs.double() * rows
@@ -111,4 +111,6 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_probabilit
     chi2 = float((((counts - expected)[nz]) ** 2 / expected[nz]).sum())
     assert chi2 < 16.3, (counts, chi2)  # 3 degrees of freedom: p = 0.001
     edge = torch.tensor([[0.0, 1.0, 0.0]])  # all mass on one token, any draw
-    assert all(int(sample_inverse_cdf(edge, torch.Generator().manual_seed(s))) == 1 for s in range(50))
+    assert all(int(sample_inverse_cdf(edge, torch.rand(1, generator=torch.Generator().manual_seed(s)))) == 1
+               for s in range(50))
+    assert int(sample_inverse_cdf(edge, torch.tensor([1.0 - 2 ** -24]))) == 1  # the largest uniform below 1

@@ -64,6 +64,7 @@ ALLOWED: dict[str, str] = {
     "task.allow_dataset_change": "lets `rl resume` continue on a changed dataset (checked separately)",
     "rollout.name": "changes how samples are generated, not their distribution",
     "rollout.micro_batch_size": _MEMORY,
+    "rollout.decode_lanes": "CPU threads of the rollout (the sampling noise does not depend on it; float sums may round differently)",
     "rollout.gpu_memory_utilization": _MEMORY,
     "rollout.verify_sync": "a check only",
 }

@@ -176,6 +176,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
     max_new_tokens: int = _f(12, "longest response", min=1)
     micro_batch_size: int = _f(0, "sequences generated together per rank; 0 = all at once", min=0)
+    decode_lanes: int = _f(0, "torch rollout: decode the rows as this many lanes of whole prompt groups, each on "
+                              "its own thread with one intra-op thread; 0 = auto (the rank's threads on a CPU, "
+                              "1 on an accelerator)", min=0)
     ignore_eos: bool = _f(False, "fixed-length generation: EOS is never sampled, every response has exactly "
                                  "max_new_tokens tokens (benchmarks; like HF min_new_tokens / vLLM min_tokens)")
     gpu_memory_utilization: float = _f(0.4, "vllm: fraction of device memory for weights + KV cache", min=0.0, max=1.0)

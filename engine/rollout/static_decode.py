@@ -3,13 +3,28 @@ sampler (engine/rollout/torch_sampler.py).
 
 The prefill still runs through the model's own forward (any prompt layout, exactly as
 transformers computes it); each following one-token step runs here instead: the model's own
-modules (norms, projections, MLP, head, rotary embedding) called directly, keys and values
-written in place into a cache sized for the whole response, and attention as two batched
-matmuls per layer over the cache with an additive mask (on a CPU, q/k/v and gate/up each run as
-one wider matmul). What
-this skips per token is transformers' per-call machinery (output capture, mask construction, a
-cache that grows by concatenation, i.e. copies the whole cache every token) and any wrapper hooks
-(FSDP2's, which have nothing to do while the weights stay gathered for sampling).
+weights and modules, keys and values written in place into a cache sized for the whole
+response, and attention as two batched matmuls per layer over the cache with an additive mask.
+What this skips per token is transformers' per-call machinery (output capture, mask
+construction, a cache that grows by concatenation, i.e. copies the whole cache every token) and
+any wrapper hooks (FSDP2's, which have nothing to do while the weights stay gathered for
+sampling). A decode step is ~16 tensor ops a layer (it was ~40 through the modules), because on
+a CPU each op's fixed cost is a large share of a one-token step:
+
+- the rotary tables (cos, sin) for every position a row will reach are computed once, by the
+  model's own ``rotary_emb``, and read per step (except rotary types that depend on the length
+  reached: ``dynamic``, ``longrope``, which are still called per step);
+- q and k are rotated together, as ``x * cos + swap_halves(x) * sin'`` (``sin'`` the sine with
+  its first half negated: the same as transformers' ``rotate_half``);
+- the Llama/Qwen/Mistral RMSNorm as one ``F.rms_norm`` in float32 (the same formula; other
+  dtypes call the module);
+- on a CPU q|k|v and gate|up run as one wider matmul each, and the output and down projections
+  add the residual in the same call (``addmm``);
+- the attention scale and mask go into the first batched matmul (``baddbmm``).
+
+Several ``StaticDecode`` over disjoint rows of one prefill can step concurrently on separate
+threads (the sampler's decode lanes): a step touches only its own cache and the weights, which
+it reads.
 
 Supported: decoder layers with ``self_attn.{q,k,v,o}_proj`` (biases allowed: Qwen2), optional
 per-head ``q_norm``/``k_norm`` (Qwen3), grouped-query attention, any rotary scaling the model's
@@ -26,9 +41,36 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+RMS_NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+PER_STEP_ROPE_TYPES = ("dynamic", "longrope")  # the tables depend on the longest position seen
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x2, x1] of x = [x1, x2] along the last dimension; with the sine's first half negated,
+    ``swap_halves(x) * sin'`` is transformers' ``rotate_half(x) * sin``."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm(module):
+    """The RMSNorm ``module`` as a function of x: one ``F.rms_norm`` for the Llama-family class in
+    float32 (the same formula: x * rsqrt(mean(x^2) + eps) * weight), else the module itself."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if type(module).__name__ not in RMS_NORM_CLASSES or weight is None or eps is None \
+            or weight.dtype != torch.float32:
+        return module
+    shape = (weight.shape[-1],)
+    return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
+
+
+def _residual_linear(linear):
+    """``(x, a) -> x + linear(a)`` as one ``addmm`` for a plain bias-free ``nn.Linear`` on 2-D
+    inputs, else the module and an add."""
+    if type(linear) is torch.nn.Linear and linear.bias is None:
+        wt = linear.weight.t()
+        return lambda x, a: torch.addmm(x, a, wt)
+    return lambda x, a: x + linear(a)
 
 
 def _decoder_parts(model):
@@ -81,10 +123,11 @@ def _plain_gated_mlp(mlp) -> bool:
 
 
 class StaticDecode:
-    """One chunk's decode state: the KV cache of every layer as [B, kv_heads, P + N, head_dim]
-    and which cache positions each row may attend to."""
+    """One set of rows' decode state: the KV cache of every layer as [B, kv_heads, P + N,
+    head_dim], which cache positions each row may attend to, and the rows' rotary tables."""
 
-    def __init__(self, model, parts, keys: list, values: list, bias: torch.Tensor, filled: int):
+    def __init__(self, model, parts, keys: list, values: list, bias: torch.Tensor, filled: int,
+                 positions: torch.Tensor, max_new_tokens: int):
         self.model = model
         self.inner, self.layers, self.head = parts
         cfg = model.config
@@ -93,10 +136,12 @@ class StaticDecode:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scale = self.head_dim ** -0.5
         self.keys, self.values = keys, values
-        # [B, P + N] additive mask, added to the attention scores: 0 at prompt tokens (not padding)
-        # and tokens fed so far, -inf elsewhere
+        # [B, kv_heads, 1, P + N] additive mask, added to the attention scores: 0 at prompt tokens
+        # (not padding) and tokens fed so far, -inf elsewhere; one copy per key/value head, so a
+        # step's slice is a view shaped for the batched matmul
         self.bias = bias
         self.filled = filled          # cache positions written
+        self.start_filled = filled
         # on a CPU, q|k|v and gate|up as one matmul each: fewer, wider matmuls, which small decode
         # batches need there (1.18x -> 1.28x rollout speed at the benchmark shape). The fused
         # weights are copies held for one rollout, so not on an accelerator, where they would
@@ -106,12 +151,31 @@ class StaticDecode:
                     for ly in self.layers]
         self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and _plain_gated_mlp(ly.mlp) else None
                         for ly in self.layers]
+        self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
+        self.final_norm = _norm(self.inner.norm)
+        self.o_proj = [_residual_linear(ly.self_attn.o_proj) for ly in self.layers]
+        self.down_proj = [_residual_linear(ly.mlp.down_proj) if self.gate_up[i] is not None else None
+                          for i, ly in enumerate(self.layers)]
+        # rotary tables for every decode step: [B, N, head_dim] each (None: rotary_emb per step)
+        self.cos = self.sin = None
+        rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
+        self.positions = positions    # [B, 1]: the position the next fed token takes
+        if not any(t in rope_type for t in PER_STEP_ROPE_TYPES):
+            steps = positions + torch.arange(max_new_tokens, device=positions.device)[None, :]
+            cos, sin = self.inner.rotary_emb(keys[0], steps)
+            half = cos.shape[-1] // 2
+            self.cos, self.sin = cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     @classmethod
-    def start(cls, model, cache, attention_mask: torch.Tensor, max_new_tokens: int) -> "StaticDecode | None":
+    def start(cls, model, cache, attention_mask: torch.Tensor, max_new_tokens: int,
+              rows: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> "StaticDecode | None":
         """After the prefill: copy the prefill's cache (``cache``, transformers' DynamicCache,
-        one entry per layer of [B, kv_heads, P, head_dim]) into a cache with room for
-        ``max_new_tokens`` more positions; None where this path does not apply."""
+        one entry per layer of [u, kv_heads, P, head_dim]) into a cache with room for
+        ``max_new_tokens`` more positions; None where this path does not apply. ``rows`` [B]:
+        the prefill row each decode row continues (default: each its own), so G samples of a
+        prompt start from its one prefill; ``attention_mask`` [B, P] and ``positions`` [B, 1]
+        (the next fed token's position; default: after the last prompt token) are per decode
+        row."""
         parts = _decoder_parts(model)
         layer_caches = getattr(cache, "layers", None)
         if parts is None or layer_caches is None or len(layer_caches) != len(parts[1]):
@@ -121,6 +185,8 @@ class StaticDecode:
             k, v = getattr(lc, "keys", None), getattr(lc, "values", None)
             if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
                 return None
+            if rows is not None:
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
             B, H, P, D = k.shape
             kk = k.new_empty((B, H, P + max_new_tokens, D))
             vv = v.new_empty((B, H, P + max_new_tokens, D))
@@ -129,69 +195,89 @@ class StaticDecode:
             keys.append(kk)
             values.append(vv)
         B, P = attention_mask.shape
-        bias = torch.full((B, P + max_new_tokens), float("-inf"), dtype=keys[0].dtype, device=attention_mask.device)
-        bias[:, :P].masked_fill_(attention_mask.bool(), 0.0)
-        return cls(model, parts, keys, values, bias, P)
+        kv_heads = keys[0].shape[1]
+        bias = torch.full((B, kv_heads, 1, P + max_new_tokens), float("-inf"), dtype=keys[0].dtype,
+                          device=attention_mask.device)
+        bias[:, :, 0, :P].masked_fill_(attention_mask.bool()[:, None, :], 0.0)
+        if positions is None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -1:] + 1
+        return cls(model, parts, keys, values, bias, P, positions, max_new_tokens)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows leave the batch)."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.bias = self.bias.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+        if self.cos is not None:
+            self.cos, self.sin = self.cos.index_select(0, rows), self.sin.index_select(0, rows)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def _attend(self, q: torch.Tensor, i: int, length: int, bias: torch.Tensor) -> torch.Tensor:
-        """One query per row against layer ``i``'s first ``length`` cache positions: [B, heads, D].
+        """One query per row against layer ``i``'s first ``length`` cache positions: [B, heads * D].
 
         Two batched matmuls over (row, key/value head), the query heads that share a key/value
-        head stacked as rows of one matmul, and the mask added to the scores in between. On a
-        CPU this is ~2-3x faster than SDPA's kernel for a single query position (which is built
-        for long query blocks), and it never copies keys/values per query head."""
+        head stacked as rows of one matmul, the scale and mask applied in the first. On a CPU this
+        is ~2-3x faster than SDPA's kernel for a single query position (which is built for long
+        query blocks), and it never copies keys/values per query head."""
         B, KV, D = q.shape[0], self.kv_heads, self.head_dim
         g = self.heads // KV
         keys = self.keys[i][:, :, :length].reshape(B * KV, length, D)       # views: rows and heads merge
         values = self.values[i][:, :, :length].reshape(B * KV, length, D)
-        scores = torch.bmm(q.reshape(B * KV, g, D), keys.transpose(1, 2))   # [B*KV, g, L]
-        scores = scores.view(B, KV * g, length).mul_(self.scale).add_(bias)   # the mask: one row per batch row
-        return torch.bmm(scores.softmax(-1).view(B * KV, g, length), values).view(B, self.heads, D)
+        scores = torch.baddbmm(bias, q.reshape(B * KV, g, D), keys.transpose(1, 2), alpha=self.scale)
+        return torch.bmm(scores.softmax(-1), values).view(B, self.heads * D)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor):
+        """(cos, sin') for this step, [B, 1, head_dim] each (``sin'``: first half negated)."""
+        if self.cos is not None:
+            s = self.filled - self.start_filled
+            return self.cos[:, s, None], self.sin[:, s, None]
+        cos, sin = self.inner.rotary_emb(x, positions)                # [B, 1, head_dim]
+        half = cos.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (``tokens`` [B], ``positions`` [B, 1]); logits [B, vocab]."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per row (``tokens`` [B]; ``positions`` [B, 1], default the rows' next
+        positions); logits [B, vocab]."""
         B, t = tokens.shape[0], self.filled
-        self.bias[:, t] = 0.0
-        bias = self.bias[:, None, :t + 1]                             # [B, 1, L]
-        x = self.inner.embed_tokens(tokens[:, None])                  # [B, 1, hidden]
-        cos, sin = self.inner.rotary_emb(x, positions)                # [B, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]                         # [B, 1, 1, head_dim]
+        positions = self.positions if positions is None else positions
+        self.bias[:, :, :, t] = 0.0
+        bias = self.bias[:, :, :, :t + 1].reshape(B * self.kv_heads, 1, t + 1)   # a view
+        x = self.inner.embed_tokens(tokens)                           # [B, hidden]
+        cos, sin = self._rotary(x, positions)
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self.norms[i][0](x)
             if self.qkv[i] is not None:
-                q, k, v = F.linear(h, *self.qkv[i]).split([H * D, KV * D, KV * D], -1)
+                qkv = F.linear(h, *self.qkv[i])
             else:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.view(B, 1, H, D)
-            k = k.view(B, 1, KV, D)
-            v = v.view(B, 1, KV, D)
-            if getattr(attn, "q_norm", None) is not None:
-                q = attn.q_norm(q)
-            if getattr(attn, "k_norm", None) is not None:
-                k = attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, 1, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.keys[i][:, :, t:t + 1] = k
-            self.values[i][:, :, t:t + 1] = v
-            x = x + attn.o_proj(self._attend(q, i, t + 1, bias).view(B, 1, H * D))
-            h = layer.post_attention_layernorm(x)
+                qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+            v = qkv[:, (H + KV) * D:].view(B, KV, D)
+            if getattr(attn, "q_norm", None) is None and getattr(attn, "k_norm", None) is None:
+                qk = qkv[:, :(H + KV) * D].view(B, H + KV, D)          # q and k rotated together
+                qk = torch.addcmul(qk * cos, _swap_halves(qk), sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:                                                     # per-head norms first (Qwen3)
+                q, k = qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + KV) * D].view(B, KV, D)
+                if getattr(attn, "q_norm", None) is not None:
+                    q = attn.q_norm(q)
+                if getattr(attn, "k_norm", None) is not None:
+                    k = attn.k_norm(k)
+                q = torch.addcmul(q * cos, _swap_halves(q), sin)
+                k = torch.addcmul(k * cos, _swap_halves(k), sin)
+            self.keys[i][:, :, t] = k
+            self.values[i][:, :, t] = v
+            x = self.o_proj[i](x, self._attend(q, i, t + 1, bias))
+            h = self.norms[i][1](x)
             if self.gate_up[i] is not None:
                 gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+                x = self.down_proj[i](x, layer.mlp.act_fn(gate).mul_(up))
             else:
                 x = x + layer.mlp(h)
         self.filled = t + 1
-        return self.head(self.inner.norm(x))[:, -1, :]
+        self.positions = positions + 1
+        return self.head(self.final_norm(x))

@@ -12,6 +12,16 @@ reference the tests and ``bench/train_throughput.py --plain`` compare against):
 - the prefill computes logits for the last position only (``logits_to_keep=1``);
 - decode cost follows live tokens: rows that produced EOS leave the batch (their KV cache rows,
   mask and positions are dropped), so later steps compute only on rows still generating;
+- decode steps on a preallocated KV cache where the architecture allows
+  (engine/rollout/static_decode.py);
+- decode lanes (``rollout.decode_lanes``; auto = the rank's threads, on a CPU): the rows are
+  split into lanes of whole prompt groups, each decoded on its own thread with one intra-op
+  thread. A one-token step is many small ops; on a CPU, an op run on two threads pays a thread
+  wake-up (~45 us with the passive OpenMP waits rl uses) that is as long as the op itself, so two
+  lanes of one thread each decode faster than one lane of two threads (torch releases the GIL
+  inside every op, so the lanes' ops overlap);
+- the sampling noise is drawn up front, one uniform per row and step from the rank's generator,
+  so what is sampled does not depend on the lanes, the chunking or when rows leave the batch;
 - sampling stays on the model's device: on an accelerator a device generator is seeded once per
   call from the rank's CPU generator, so no token makes a host round trip.
 
@@ -28,6 +38,8 @@ EOS when sampling (fixed-length responses, like HF ``min_new_tokens`` / vLLM ``m
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -48,17 +60,48 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
 
-def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] (rows need not sum to 1), by inverse transform:
-    one uniform draw per row placed on the row's cumulative sum. The same distribution as
-    ``torch.multinomial(probs, 1)``, which on a CPU draws an exponential for every vocabulary
-    entry (~0.65 ms of a 64 x 512 decode step, 1-2 us here). A token of probability 0 is never
-    chosen: its interval of the cumulative sum is empty."""
+    the row's uniform draw (``uniforms`` [B] in [0, 1)) placed on the row's cumulative sum. The
+    same distribution as ``torch.multinomial(probs, 1)``, which on a CPU draws an exponential for
+    every vocabulary entry (~0.65 ms of a 64 x 512 decode step, 1-2 us here). A token of
+    probability 0 is never chosen: its interval of the cumulative sum is empty."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # below the total, even rounded
+    x = torch.minimum(uniforms.reshape(-1, 1).to(cdf.dtype) * total,
+                      torch.nextafter(total, torch.zeros_like(total)))  # below the total, even rounded
     return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # the first entry whose cumulative sum exceeds x
+
+
+class _ModelSteps:
+    """Decode steps through the model's own forward and its growing cache (any architecture;
+    the fallback of engine/rollout/static_decode.py), recording MoE routing when asked."""
+
+    def __init__(self, sampler: "TorchSampler", model, cache, attn: torch.Tensor, positions: torch.Tensor,
+                 recorder=None, resp_rec: torch.Tensor | None = None):
+        self.model, self.cache, self.attn, self.positions = model, cache, attn, positions
+        self.kwarg = _cache_kwarg(model)
+        self.recorder, self.resp_rec = recorder, resp_rec
+        self.live = torch.arange(attn.shape[0], device=attn.device)
+        self.t = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.positions,
+                         use_cache=True, **{self.kwarg: self.cache})
+        self.cache = _returned_cache(out)
+        if self.recorder is not None:  # the routing of response token t, fed in this forward
+            self.resp_rec[self.live, self.t] = self.recorder.take(as_records=False).to(ROUTING_DTYPE)
+        self.positions = self.positions + 1
+        self.t += 1
+        return out.logits[:, -1, :]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attn, self.positions, self.live = self.attn[rows], self.positions[rows], self.live[rows]
+
+    def cache_bytes(self) -> int:
+        return _cache_bytes(self.cache)
 
 
 class TorchSampler(Sampler):
@@ -72,6 +115,7 @@ class TorchSampler(Sampler):
         self.device = device
         self.fast = fast
         self.last_kv_cache_bytes = 0
+        self.last_lanes = 1
 
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]], n: int, generator: torch.Generator,
@@ -81,57 +125,181 @@ class TorchSampler(Sampler):
         if self.fast and chunk >= n:  # whole prompt groups per chunk, so groups share their prefill
             chunk -= chunk % n
         gen = _device_generator(generator, self.device) if self.fast else generator
+        # the fast path's sampling noise: one uniform per row and step, drawn here in row order
+        noise = None if greedy or not self.fast else torch.rand(
+            (len(rows), self.cfg.max_new_tokens), generator=gen, device=self.device)
         self.last_kv_cache_bytes = 0
+        self.last_lanes = 1
         with _recording(model, self.record_routing) as recorder:
-            parts = [self._generate_chunk(model, rows[i:i + chunk], generator, gen, greedy, recorder)
+            parts = [self._generate_chunk(model, rows[i:i + chunk], generator, greedy, recorder)
+                     if not self.fast else
+                     self._generate_fast_chunk(model, rows[i:i + chunk], noise[i:i + chunk] if noise is not None
+                                               else None, recorder)
                      for i in range(0, len(rows), chunk)]
         return SequenceBatch.concat(parts, self.pad) if len(parts) > 1 else parts[0]
 
-    # ---- one chunk of rows ----------------------------------------------------------------
-    def _generate_chunk(self, model, rows: list[list[int]], generator, dev_gen, greedy: bool,
-                        recorder=None) -> SequenceBatch:
+    # ---- the fast path ------------------------------------------------------------------------
+    def _generate_fast_chunk(self, model, rows: list[list[int]], noise: torch.Tensor | None,
+                             recorder=None) -> SequenceBatch:
+        """One chunk of rows: one prefill per distinct prompt, then decode lanes (or one)."""
         dev, B = self.device, len(rows)
-        # distinct prompts (consecutive runs of the same prompt) and, per row, its prompt
-        if self.fast:
-            uniq, owner = [], []
-            for r in rows:
-                if not uniq or uniq[-1] != r:
-                    uniq.append(r)
-                owner.append(len(uniq) - 1)
-        else:
-            uniq, owner = rows, list(range(B))
-        P = max(len(r) for r in uniq)
-        ids = torch.full((len(uniq), P), self.pad, dtype=torch.long)
-        attn = torch.zeros((len(uniq), P), dtype=torch.long)
-        for i, r in enumerate(uniq):
-            ids[i, P - len(r):] = torch.tensor(r)
-            attn[i, P - len(r):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        temp = max(self.cfg.temperature, 1e-6)
-        keep = {"logits_to_keep": 1} if self.fast and _accepts(model, "logits_to_keep") else {}
+        uniq, owner = [], []
+        for r in rows:  # distinct prompts (consecutive runs of the same prompt) and, per row, its prompt
+            if not uniq or uniq[-1] != r:
+                uniq.append(r)
+            owner.append(len(uniq) - 1)
+        ids, attn, pos = self._left_padded(uniq)
+        P = ids.shape[1]
+        keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep)
         cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
-        prompt_rec = resp_rec = None
+        expand = torch.tensor(owner, device=dev)
+        logits, attn, next_pos = logits[expand], attn[expand], pos[expand][:, -1:] + 1
+        N = self.cfg.max_new_tokens
         if recorder is not None:  # [u, P, L, k]: the prompt tokens' routing; responses' filled per step
             # int16 on the device as well (the records' own dtype; 1/4 of the router's int64)
             prompt_rec = recorder.take(as_records=False).to(ROUTING_DTYPE).reshape(
                 len(uniq), P, recorder.layout.layers, -1)
+            resp_rec = torch.full((B, N) + tuple(prompt_rec.shape[2:]), NO_RECORD, dtype=ROUTING_DTYPE, device=dev)
+        lanes = self._lanes(owner) if self.static_cache and recorder is None else [torch.arange(B)]
+        decoders = None
+        if self.static_cache and recorder is None:
+            decoders = [StaticDecode.start(model, cache, attn[lane.to(dev)], N, rows=expand[lane.to(dev)],
+                                           positions=next_pos[lane.to(dev)]) for lane in lanes]
+            if any(d is None for d in decoders):
+                decoders, lanes = None, [torch.arange(B)]
+        if decoders is None:  # the model's own forward decodes (one lane)
+            if len(uniq) != B:
+                cache.batch_select_indices(expand)  # every sample gets its prompt's keys/values
+            decoders = [_ModelSteps(self, model, cache, attn, next_pos, recorder,
+                                    resp_rec if recorder is not None else None)]
+        del cache
+        jobs = [(decoders[j], logits[lane.to(dev)], None if noise is None else noise[lane.to(dev)])
+                for j, lane in enumerate(lanes)]
+        if len(jobs) == 1:
+            results = [self._decode(*jobs[0])]
+        else:
+            results = _run_lanes(self._decode, jobs)
+        self.last_lanes = max(self.last_lanes, len(jobs))
+        tokens = torch.full((B, N), self.pad, dtype=torch.long)
+        logps = torch.zeros((B, N))
+        lengths = torch.zeros(B, dtype=torch.long)
+        steps = 0
+        for lane, (tok, lp, ln, st, cache_bytes) in zip(lanes, results):
+            tokens[lane], logps[lane], lengths[lane] = tok.cpu(), lp.cpu(), ln.cpu()
+            steps = max(steps, st)
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, sum(r[4] for r in results))
+        routing = None
+        if recorder is not None:
+            routing = (prompt_rec.cpu(), [P - len(r) for r in uniq], owner, resp_rec[:, :steps].cpu())
+        return self._to_right_padded(rows, tokens[:, :steps], logps[:, :steps], lengths.clamp(max=steps),
+                                     routing=routing)
+
+    def _lanes(self, owner: list[int]) -> list[torch.Tensor]:
+        """Rows of each decode lane: whole prompt groups, as even as the groups allow."""
+        want = self.cfg.decode_lanes or (torch.get_num_threads() if torch.device(self.device).type == "cpu" else 1)
+        groups: list[list[int]] = []
+        for i, o in enumerate(owner):
+            if not groups or owner[groups[-1][0]] != o:
+                groups.append([])
+            groups[-1].append(i)
+        k = max(1, min(want, len(groups)))
+        lanes, per = [], len(owner) / k
+        cur: list[int] = []
+        for g in groups:  # close a lane once it holds its share of rows
+            cur += g
+            if len(cur) >= per * (len(lanes) + 1) - sum(len(x) for x in lanes) and len(lanes) < k - 1:
+                lanes.append(cur)
+                cur = []
+        lanes.append(cur)
+        return [torch.tensor(x, dtype=torch.long) for x in lanes if x]
+
+    def _decode(self, steps, logits: torch.Tensor, noise: torch.Tensor | None):
+        """Sample every token of these rows; ``steps`` feeds a token and returns the next logits
+        (StaticDecode or _ModelSteps). Returns (tokens [b, N], log-probs [b, N], lengths [b],
+        steps taken, largest KV cache bytes)."""
+        dev, N = logits.device, self.cfg.max_new_tokens
+        b = logits.shape[0]
+        tokens = torch.full((b, N), self.pad, dtype=torch.long, device=dev)
+        logps = torch.zeros((b, N), device=dev)
+        lengths = torch.full((b,), N, dtype=torch.long, device=dev)
+        live = None  # original row of each current row; None while every row is live
+        eos = torch.tensor([self.eos], device=dev)
+        cache_bytes, taken = 0, 0
+        for t in range(N):
+            taken = t + 1
+            u = None if noise is None else (noise[:, t] if live is None else noise[live, t])
+            tok, tok_lp = self._sample(logits.float(), u, eos)
+            if live is None:
+                tokens[:, t], logps[:, t] = tok, tok_lp
+            else:
+                tokens[live, t], logps[live, t] = tok, tok_lp
+            if t + 1 == N:
+                break
+            if not self.cfg.ignore_eos:
+                ended = tok == self.eos
+                if bool(ended.any()):  # finished rows leave the batch
+                    rows_now = torch.arange(b, device=dev) if live is None else live
+                    lengths[rows_now[ended]] = t + 1
+                    keep_rows = (~ended).nonzero().squeeze(-1)
+                    if keep_rows.numel() == 0:
+                        break
+                    cache_bytes = max(cache_bytes, steps.cache_bytes())  # largest just before rows leave
+                    live, tok = rows_now[keep_rows], tok[keep_rows]
+                    steps.select(keep_rows)
+            logits = steps.step(tok)
+        cache_bytes = max(cache_bytes, steps.cache_bytes())
+        return tokens, logps, lengths, taken, cache_bytes
+
+    def _sample(self, logits: torch.Tensor, u: torch.Tensor | None, eos: torch.Tensor):
+        """A token per row (greedy when ``u`` is None) and its log-prob under the unmodified
+        sampling distribution."""
+        temp = max(self.cfg.temperature, 1e-6)
+        scaled = logits if temp == 1.0 else logits / temp
+        logp = torch.log_softmax(scaled, dim=-1)
+        if u is None:
+            tok = (logits.index_fill(-1, eos, float("-inf")) if self.cfg.ignore_eos else logits).argmax(-1)
+        elif self.cfg.top_p < 1.0:
+            masked = scaled.index_fill(-1, eos, float("-inf")) if self.cfg.ignore_eos else scaled
+            tok = sample_inverse_cdf(_top_p_filter(masked, self.cfg.top_p).softmax(-1), u)
+        else:
+            probs = logp.exp()  # softmax(scaled); the inverse transform needs no normalisation
+            if self.cfg.ignore_eos:
+                probs[:, self.eos] = 0.0
+            tok = sample_inverse_cdf(probs, u)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    def _left_padded(self, prompts: list[list[int]]):
+        """[u, P] ids, attention mask and positions (0 at each prompt's first real token) on the device."""
+        P = max(len(r) for r in prompts)
+        ids = torch.full((len(prompts), P), self.pad, dtype=torch.long)
+        attn = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, r in enumerate(prompts):
+            ids[i, P - len(r):] = torch.tensor(r)
+            attn[i, P - len(r):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+    # ---- the plain loop (reference) -------------------------------------------------------------
+    def _generate_chunk(self, model, rows: list[list[int]], generator, greedy: bool,
+                        recorder=None) -> SequenceBatch:
+        """Every row prefilled, finished rows kept (masked), sampling on the host."""
+        dev, B = self.device, len(rows)
+        ids, attn, pos = self._left_padded(rows)
+        P = ids.shape[1]
+        temp = max(self.cfg.temperature, 1e-6)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+        prompt_rec = resp_rec = None
+        if recorder is not None:
+            prompt_rec = recorder.take(as_records=False).to(ROUTING_DTYPE).reshape(B, P, recorder.layout.layers, -1)
             resp_rec = torch.full((B, self.cfg.max_new_tokens) + tuple(prompt_rec.shape[2:]), NO_RECORD,
                                   dtype=ROUTING_DTYPE, device=dev)
-        if len(uniq) != B:  # share the prompt's KV cache with its samples
-            expand = torch.tensor(owner, device=dev)
-            cache.batch_select_indices(expand)
-            logits, attn, pos = logits[expand], attn[expand], pos[expand]
         next_pos = pos[:, -1:] + 1
-        # decode steps on a preallocated cache where the architecture allows (static_decode.py)
-        static = StaticDecode.start(model, cache, attn, self.cfg.max_new_tokens) \
-            if self.fast and self.static_cache and recorder is None else None
-        live = torch.arange(B, device=dev)                      # original row of each current row
         tokens = torch.full((B, self.cfg.max_new_tokens), self.pad, dtype=torch.long, device=dev)
         logps = torch.zeros((B, self.cfg.max_new_tokens), device=dev)
         lengths = torch.full((B,), self.cfg.max_new_tokens, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)     # plain path: rows that already ended
+        done = torch.zeros(B, dtype=torch.bool, device=dev)     # rows that already ended
         kwarg = _cache_kwarg(model)
         steps = 0
         for t in range(self.cfg.max_new_tokens):
@@ -145,57 +313,31 @@ class TorchSampler(Sampler):
                 tok = logits.argmax(-1)
             else:
                 probs = _top_p_filter(scaled, self.cfg.top_p).softmax(-1)
-                if self.fast:
-                    tok = sample_inverse_cdf(probs, dev_gen)
-                else:
-                    tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(dev)
+                tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(dev)
             tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            if not self.fast:
-                tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-                tok_lp = torch.where(done, torch.zeros_like(tok_lp), tok_lp)
-            tokens[live, t] = tok
-            logps[live, t] = tok_lp
+            tok = torch.where(done, torch.full_like(tok, self.pad), tok)
+            tok_lp = torch.where(done, torch.zeros_like(tok_lp), tok_lp)
+            tokens[:, t] = tok
+            logps[:, t] = tok_lp
             ended = tok == self.eos
-            if self.fast:
-                lengths[live[ended]] = t + 1
-                if t + 1 == self.cfg.max_new_tokens:
-                    break
-                if bool(ended.any()):  # finished rows leave the batch
-                    keep_rows = (~ended).nonzero().squeeze(-1)
-                    if keep_rows.numel() == 0:
-                        break
-                    live, tok, next_pos = live[keep_rows], tok[keep_rows], next_pos[keep_rows]
-                    attn = attn[keep_rows]
-                    # the cache is largest just before finished rows leave it
-                    self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache, static))
-                    if static is not None:
-                        static.select(keep_rows)
-                    else:
-                        cache.batch_select_indices(keep_rows)
-                if static is not None:
-                    logits = static.step(tok, next_pos).float()
-                    next_pos = next_pos + 1
-                    continue
-                attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-            else:
-                newly = ended & ~done
-                lengths[newly] = t + 1
-                done = done | ended
-                if bool(done.all()) or t + 1 == self.cfg.max_new_tokens:
-                    break
-                attn = torch.cat([attn, (~done | ended).long()[:, None]], dim=1)
-                attn[:, -1] = 1  # the token just sampled is visible to the next step
+            newly = ended & ~done
+            lengths[newly] = t + 1
+            done = done | ended
+            if bool(done.all()) or t + 1 == self.cfg.max_new_tokens:
+                break
+            attn = torch.cat([attn, (~done | ended).long()[:, None]], dim=1)
+            attn[:, -1] = 1  # the token just sampled is visible to the next step
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kwarg: cache})
             cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
-            if recorder is not None:  # the routing of response token t, fed in this forward
-                resp_rec[live, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
+            if recorder is not None:
+                resp_rec[:, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
-        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache, static))
+        self.last_kv_cache_bytes = max(self.last_kv_cache_bytes, _cache_bytes(cache))
         lengths = lengths.clamp(max=steps)
         routing = None
         if recorder is not None:
-            routing = (prompt_rec.cpu(), [P - len(r) for r in uniq], owner, resp_rec[:, :steps].cpu())
+            routing = (prompt_rec.cpu(), [P - len(r) for r in rows], list(range(B)), resp_rec[:, :steps].cpu())
         return self._to_right_padded(rows, tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(),
                                      routing=routing)
 
@@ -225,6 +367,24 @@ class TorchSampler(Sampler):
                 routed[i, p:p + n] = resp_rec[i, :n]
         return SequenceBatch(input_ids=input_ids, attention_mask=attn, response_mask=rmask,
                              prompt_lengths=plen, rollout_log_probs=lp, routed_experts=routed)
+
+
+def _run_lanes(decode, jobs: list) -> list:
+    """``decode(*job)`` for every job at once, one thread each with one intra-op thread (CPU).
+    torch releases the GIL inside each op, so the lanes' ops run side by side; grad mode is
+    per thread, so each lane turns it off itself. The caller's thread count is restored."""
+    threads = torch.get_num_threads()
+
+    def lane(job):
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            return decode(*job)
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rl-decode-lane") as pool:
+            return list(pool.map(lane, jobs))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _recording(model, on: bool):
@@ -267,10 +427,8 @@ def _returned_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
-def _cache_bytes(cache, static: StaticDecode | None = None) -> int:
-    """Bytes of the KV cache decoding uses now: the static one when it runs, else ``cache``."""
-    if static is not None:
-        return static.cache_bytes()
+def _cache_bytes(cache) -> int:
+    """Bytes of transformers' KV cache ``cache``."""
     total = 0
     try:
         for layer in getattr(cache, "layers", []):
