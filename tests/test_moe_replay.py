@@ -335,7 +335,7 @@ def test_replayed_update_is_the_same_checkpointed_and_prompt_shared(moe_dirs):
 
 def test_grouped_records_follow_the_grouped_layout():
     """Prompt records left-padded from each prompt's first row, response records at the response
-    columns, no record on padding."""
+    columns the responses' forward is fed (all but the last), no record on padding."""
     from engine.batch import SequenceBatch
     from engine.batching.prompt_groups import group_prompts, group_records
 
@@ -351,11 +351,11 @@ def test_grouped_records_follow_the_grouped_layout():
                       routed_experts=rec)
     g = group_prompts(b, 0)
     prompts, responses = group_records(rec, g)
-    assert prompts.shape == (2, 2, 3, 2) and responses.shape == (3, 4, 3, 2)
+    assert prompts.shape == (2, 2, 3, 2) and responses.shape == (3, 3, 3, 2)
     assert torch.equal(prompts[0], rec[0, :2])                 # [5, 6]: from row 0, not row 1
     assert not has_record(prompts[1, 0]).any() and torch.equal(prompts[1, 1], rec[2, 0])  # [4], left-padded
     assert torch.equal(responses[1, :1], rec[1, 2:3]) and not has_record(responses[1, 1:]).any()
-    assert torch.equal(responses[2], rec[2, 1:5])
+    assert torch.equal(responses[2], rec[2, 1:4])  # the last response token is not fed
 
 
 @pytest.mark.parametrize("overrides,needle", [

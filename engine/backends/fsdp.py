@@ -138,7 +138,8 @@ class FSDPEngine(TrainEngine):
         if not self._share_prompts():
             return None
         groups = group_prompts(mb, self.pad_token_id)
-        if groups is not None and self._replays() and groups.prompt_ids.numel() == groups.response_ids.numel():
+        if groups is not None and self._replays() and \
+                groups.prompt_ids.numel() == groups.response_ids.shape[0] * groups.fed:
             return None
         return groups
 
@@ -273,10 +274,9 @@ class FSDPEngine(TrainEngine):
                 with self._measure("logits") as meter:
                     if meter is not None:
                         meter.add(logits)
-                    lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=loss_fn.needs_entropy)
-                if ent is None:  # entropy is only a metric here: compute it without keeping a graph
-                    with torch.no_grad():
-                        _, ent = lp_fn(logits.detach(), ids, self.cfg.rollout.temperature, with_entropy=True)
+                    # entropy: in the loss (a bonus) or only a metric (from the same log-softmax, no graph)
+                    lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
+                                    entropy_grad=loss_fn.needs_entropy)
                 dev_mb = lp_batch.to(self.device)
                 loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
                 loss.backward()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.algorithms.logprobs import entropy_from_log_probs
 from engine.batching.prompt_groups import PromptGroups
 
 
@@ -16,25 +17,44 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
 
 
+def _expand_cache(cache, owner: torch.Tensor) -> None:
+    """Every row gets its prompt's keys/values: ``index_select`` along the batch, differentiable,
+    whose backward sums each prompt's rows (``index_add``; transformers' ``batch_select_indices``
+    indexes with a tensor, whose backward is an accumulating ``index_put``, ~1 ms a layer here)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(getattr(lc, "keys", None), torch.Tensor) for lc in layers):
+        cache.batch_select_indices(owner)
+        return
+    for lc in layers:
+        lc.keys = lc.keys.index_select(0, owner)
+        lc.values = lc.values.index_select(0, owner)
+
+
 def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
     """[b, R, V] logits; position j predicts response token j (the first from the prompt's last
-    position). Same values as the plain forward's logits at columns prompt_len + j - 1."""
+    position). Same values as the plain forward's logits at columns prompt_len + j - 1. The
+    responses' last column is not fed: it predicts nothing (``PromptGroups.fed``)."""
     dev = torch.device(device)
     pmask = groups.prompt_mask.to(dev)
     out = model(input_ids=groups.prompt_ids.to(dev), attention_mask=pmask,
                 position_ids=groups.prompt_positions.to(dev), use_cache=True, logits_to_keep=1)
+    owner = groups.owner.to(dev)
+    first = out.logits[:, -1:].index_select(0, owner)
+    fed = groups.fed
+    if fed == 0:  # one-token responses: the prompt's last position predicts all there is
+        return first
     cache = getattr(out, "cache", None)
     cache = cache if cache is not None else out.past_key_values
-    owner = groups.owner.to(dev)
-    cache.batch_select_indices(owner)  # every row gets its prompt's keys/values (a differentiable gather)
-    attn = torch.cat([pmask[owner], groups.response_mask.to(dev)], dim=1)
-    out2 = model(input_ids=groups.response_ids.to(dev), attention_mask=attn,
-                 position_ids=groups.response_positions.to(dev), use_cache=True, **{_cache_kwarg(model): cache})
-    return torch.cat([out.logits[:, -1:][owner], out2.logits[:, :-1]], dim=1)
+    _expand_cache(cache, owner)
+    attn = torch.cat([pmask.index_select(0, owner), groups.response_mask[:, :fed].to(dev)], dim=1)
+    out2 = model(input_ids=groups.response_ids[:, :fed].to(dev), attention_mask=attn,
+                 position_ids=groups.response_positions[:, :fed].to(dev), use_cache=True,
+                 **{_cache_kwarg(model): cache})
+    return torch.cat([first, out2.logits], dim=1)
 
 
 def response_log_probs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float = 1.0,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grouped_logits`` [b, R, V] -> log p(response token j) as [b, R] (and the entropy of each
     position's distribution), the response-column twin of engine.algorithms.logprobs.token_log_probs."""
     logits = logits.float()
@@ -42,5 +62,5 @@ def response_log_probs(logits: torch.Tensor, response_ids: torch.Tensor, tempera
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    ent = entropy_from_log_probs(logp_all, entropy_grad) if with_entropy else None
     return lp, ent

@@ -36,9 +36,15 @@ class PromptGroups:
         return int(self.prompt_ids.shape[0])
 
     @property
+    def fed(self) -> int:
+        """Response columns the responses' forward is fed: all but the last, whose output would
+        predict a token after the longest response (nothing)."""
+        return int(self.response_ids.shape[1]) - 1
+
+    @property
     def tokens(self) -> int:
-        """Tokens the model computes: the distinct prompts once, plus every response slot."""
-        return int(self.prompt_ids.numel() + self.response_ids.numel())
+        """Tokens the model computes: the distinct prompts once, plus every fed response slot."""
+        return int(self.prompt_ids.numel() + self.response_ids.shape[0] * self.fed)
 
 
 def group_prompts(batch: SequenceBatch, pad_token_id: int) -> PromptGroups | None:
@@ -96,8 +102,8 @@ def to_response_columns(batch: SequenceBatch, groups: PromptGroups) -> SequenceB
 def group_records(routed: torch.Tensor, groups: PromptGroups) -> tuple[torch.Tensor, torch.Tensor]:
     """The [b, T, L, k] routing records of a micro-batch (engine/moe/routing_records.py) laid out
     like the grouped forwards: prompts [u, P, L, k] left-padded (from each prompt's first row:
-    rows sharing a prompt shared its prefill in the rollout) and responses [b, R, L, k]; padding
-    holds no record."""
+    rows sharing a prompt shared its prefill in the rollout) and the fed responses
+    [b, R - 1, L, k] (``PromptGroups.fed``); padding holds no record."""
     from engine.moe.routing_records import NO_RECORD
 
     u, P = groups.prompt_ids.shape
@@ -115,4 +121,4 @@ def group_records(routed: torch.Tensor, groups: PromptGroups) -> tuple[torch.Ten
     responses = routed.gather(1, idx)
     valid = groups.response_mask.bool().reshape(cols.shape + (1,) * len(tail))
     responses = torch.where(valid, responses, torch.full_like(responses, NO_RECORD))
-    return prompts, responses
+    return prompts, responses[:, :groups.fed]
