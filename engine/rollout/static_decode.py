@@ -127,7 +127,7 @@ class StaticDecode:
     head_dim], which cache positions each row may attend to, and the rows' rotary tables."""
 
     def __init__(self, model, parts, keys: list, values: list, bias: torch.Tensor, filled: int,
-                 positions: torch.Tensor, max_new_tokens: int):
+                 positions: torch.Tensor, max_new_tokens: int, like: "StaticDecode | None" = None):
         self.model = model
         self.inner, self.layers, self.head = parts
         cfg = model.config
@@ -146,16 +146,21 @@ class StaticDecode:
         # batches need there (1.18x -> 1.28x rollout speed at the benchmark shape). The fused
         # weights are copies held for one rollout, so not on an accelerator, where they would
         # cost device memory and the matmuls are not the bottleneck.
-        fuse = next(model.parameters()).device.type == "cpu"
-        self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) if fuse else None
-                    for ly in self.layers]
-        self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and _plain_gated_mlp(ly.mlp) else None
+        # (``like``: another decoder of the same rollout, whose fused weights this one shares)
+        if like is not None:
+            self.qkv, self.gate_up, self.norms = like.qkv, like.gate_up, like.norms
+            self.final_norm, self.o_proj, self.down_proj = like.final_norm, like.o_proj, like.down_proj
+        else:
+            fuse = next(model.parameters()).device.type == "cpu"
+            self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) if fuse else None
                         for ly in self.layers]
-        self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
-        self.final_norm = _norm(self.inner.norm)
-        self.o_proj = [_residual_linear(ly.self_attn.o_proj) for ly in self.layers]
-        self.down_proj = [_residual_linear(ly.mlp.down_proj) if self.gate_up[i] is not None else None
-                          for i, ly in enumerate(self.layers)]
+            self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and _plain_gated_mlp(ly.mlp)
+                            else None for ly in self.layers]
+            self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
+            self.final_norm = _norm(self.inner.norm)
+            self.o_proj = [_residual_linear(ly.self_attn.o_proj) for ly in self.layers]
+            self.down_proj = [_residual_linear(ly.mlp.down_proj) if self.gate_up[i] is not None else None
+                              for i, ly in enumerate(self.layers)]
         # rotary tables for every decode step: [B, N, head_dim] each (None: rotary_emb per step)
         self.cos = self.sin = None
         rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
@@ -168,15 +173,17 @@ class StaticDecode:
 
     @classmethod
     def start(cls, model, cache, attention_mask: torch.Tensor, max_new_tokens: int,
-              rows: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> "StaticDecode | None":
+              rows: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              like: "StaticDecode | None" = None) -> "StaticDecode | None":
         """After the prefill: copy the prefill's cache (``cache``, transformers' DynamicCache,
         one entry per layer of [u, kv_heads, P, head_dim]) into a cache with room for
         ``max_new_tokens`` more positions; None where this path does not apply. ``rows`` [B]:
         the prefill row each decode row continues (default: each its own), so G samples of a
         prompt start from its one prefill; ``attention_mask`` [B, P] and ``positions`` [B, 1]
         (the next fed token's position; default: after the last prompt token) are per decode
-        row."""
-        parts = _decoder_parts(model)
+        row. ``like``: a decoder over other rows of the same prefill, whose fused weights this
+        one shares (decode lanes)."""
+        parts = _decoder_parts(model) if like is None else (like.inner, like.layers, like.head)
         layer_caches = getattr(cache, "layers", None)
         if parts is None or layer_caches is None or len(layer_caches) != len(parts[1]):
             return None
@@ -201,7 +208,7 @@ class StaticDecode:
         bias[:, :, 0, :P].masked_fill_(attention_mask.bool()[:, None, :], 0.0)
         if positions is None:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -1:] + 1
-        return cls(model, parts, keys, values, bias, P, positions, max_new_tokens)
+        return cls(model, parts, keys, values, bias, P, positions, max_new_tokens, like=like)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows leave the batch)."""

@@ -164,8 +164,14 @@ class TorchSampler(Sampler):
         lanes = self._lanes(owner) if self.static_cache and recorder is None else [torch.arange(B)]
         decoders = None
         if self.static_cache and recorder is None:
-            decoders = [StaticDecode.start(model, cache, attn[lane.to(dev)], N, rows=expand[lane.to(dev)],
-                                           positions=next_pos[lane.to(dev)]) for lane in lanes]
+            decoders = []
+            for lane in lanes:  # the lanes share one set of fused weights
+                rows_dev = lane.to(dev)
+                decoders.append(StaticDecode.start(model, cache, attn[rows_dev], N, rows=expand[rows_dev],
+                                                   positions=next_pos[rows_dev],
+                                                   like=decoders[0] if decoders else None))
+                if decoders[-1] is None:
+                    break
             if any(d is None for d in decoders):
                 decoders, lanes = None, [torch.arange(B)]
         if decoders is None:  # the model's own forward decodes (one lane)
