@@ -126,3 +126,57 @@ def test_cache_is_sized_once_and_rows_leave_it():
     assert dec.cache_bytes() == before  # written in place, never grown
     dec.select(torch.tensor([], dtype=torch.long))
     assert dec.cache_bytes() == 0
+
+
+def _lanes_generate(model, lanes: int, **kw):
+    cfg = dataclasses.replace(RolloutConfig(), max_new_tokens=12, decode_lanes=lanes, **kw)
+    s = TorchSampler(cfg, PAD, EOS, torch.device("cpu"))
+    return s, s.generate(model, PROMPTS, 4, torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_lanes_sample_what_one_lane_samples(arch):
+    """Decode lanes (rows split into whole prompt groups, each lane on its own thread) change
+    nothing but the speed: the same tokens, lengths and log-probs as one lane, with rows
+    finishing at different steps in every lane."""
+    model = _model(arch)
+    _, one = _lanes_generate(model, 1)
+    lens = one.response_lengths
+    assert lens.min() < lens.max(), "rows must finish at different steps"
+    for lanes in (2, 3, 9):  # 9 > 5 prompt groups: at most one lane a group
+        s, many = _lanes_generate(model, lanes)
+        assert s.last_lanes == min(lanes, len(PROMPTS))
+        assert torch.equal(many.input_ids, one.input_ids)
+        assert torch.equal(many.response_mask, one.response_mask)
+        assert torch.allclose(many.rollout_log_probs, one.rollout_log_probs, atol=1e-5)
+
+
+def test_decode_lanes_restore_the_thread_count_and_take_whole_prompt_groups():
+    model = _model("llama")
+    before = torch.get_num_threads()
+    s, _ = _lanes_generate(model, 2)
+    assert torch.get_num_threads() == before
+    owner = [0, 0, 0, 1, 2, 2, 2, 2, 3, 3]
+    for want in (1, 2, 3, 4, 6):
+        s.cfg = dataclasses.replace(s.cfg, decode_lanes=want)
+        lanes = [x.tolist() for x in s._lanes(owner)]
+        assert len(lanes) == min(want, 4)
+        assert sum(lanes, []) == list(range(len(owner)))          # every row once, in order
+        for lane in lanes:                                         # never a prompt group split
+            assert lane[0] == 0 or owner[lane[0] - 1] != owner[lane[0]]
+            assert lane[-1] == len(owner) - 1 or owner[lane[-1]] != owner[lane[-1] + 1]
+    s.cfg = dataclasses.replace(s.cfg, decode_lanes=2)
+    assert [len(x) for x in s._lanes(owner)] == [4, 6]                  # as even as whole groups allow
+    assert [len(x) for x in s._lanes([i // 8 for i in range(64)])] == [32, 32]
+
+
+def test_sampled_tokens_do_not_depend_on_rollout_chunks():
+    """The sampling noise is drawn per row and step up front, so generating the rows in chunks
+    (rollout.micro_batch_size) samples what generating them at once does."""
+    model = _model("llama")
+    whole = _lanes_generate(model, 1)[1]
+    cfg = dataclasses.replace(RolloutConfig(), max_new_tokens=12, micro_batch_size=8)
+    chunked = TorchSampler(cfg, PAD, EOS, torch.device("cpu")).generate(model, PROMPTS, 4,
+                                                                        torch.Generator().manual_seed(7))
+    assert torch.equal(whole.input_ids, chunked.input_ids)
+    assert torch.allclose(whole.rollout_log_probs, chunked.rollout_log_probs, atol=1e-5)

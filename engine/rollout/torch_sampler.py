@@ -210,13 +210,18 @@ class TorchSampler(Sampler):
                 groups.append([])
             groups[-1].append(i)
         k = max(1, min(want, len(groups)))
-        lanes, per = [], len(owner) / k
+        lanes: list[list[int]] = []
         cur: list[int] = []
-        for g in groups:  # close a lane once it holds its share of rows
-            cur += g
-            if len(cur) >= per * (len(lanes) + 1) - sum(len(x) for x in lanes) and len(lanes) < k - 1:
+        remaining = len(owner)
+        for gi, g in enumerate(groups):  # contiguous, each lane near its share of the rows left
+            left = k - len(lanes)         # lanes still to fill, the current one included
+            target = remaining / left
+            must = len(groups) - gi == left - 1  # one group left for each lane after this one
+            if cur and left > 1 and (must or len(cur) + len(g) - target > target - len(cur)):
                 lanes.append(cur)
+                remaining -= len(cur)
                 cur = []
+            cur = cur + g
         lanes.append(cur)
         return [torch.tensor(x, dtype=torch.long) for x in lanes if x]
 
