@@ -103,3 +103,46 @@ def test_the_pad_tokens_embedding_trains_when_the_policy_samples_it():
     logits = model(input_ids=ids, attention_mask=attn).logits
     (logits[1, 2].logsumexp(-1) - logits[1, 2, 8]).backward()  # only real tokens before it, pads after
     assert model.get_input_embeddings().weight.grad[0].abs().sum() == 0
+
+
+def test_compiled_blocks_train_like_eager():
+    """engine.compile=true compiles each decoder block's forward under FSDP2 (its hooks stay
+    eager around the block): two update steps give the eager engine's losses and weights to
+    float tolerance, and generation (a new shape every token) runs on the eager forwards. A
+    compiled root forward used to bypass the root's hooks and fail on sharded weights."""
+    results = run_ranks(_compiled_vs_eager, 1)[0]
+    for (eager_loss, eager_w), (comp_loss, comp_w) in zip(results["eager"], results["compiled"]):
+        assert abs(eager_loss - comp_loss) < 1e-5, (eager_loss, comp_loss)
+        assert torch.allclose(eager_w, comp_w, atol=1e-5)
+    assert results["compiled_blocks"] == 2
+    assert results["eager_while_generating"] and not results["eager_after"]
+
+
+def _compiled_vs_eager(rank, world):
+    from engine.algorithms.advantages import grpo_advantages, token_advantages
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.backends.fsdp import decoder_blocks
+    from engine.rollout.torch_sampler import TorchSampler
+
+    out = {}
+    for name, extra in (("eager", []), ("compiled", ["engine.compile=true"])):
+        torch.manual_seed(0)
+        cfg, eng = _engine(["engine.micro_batch_size=16", "optim.lr=1e-2", *extra])
+        sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
+        blocks = decoder_blocks(eng.model)
+        steps = []
+        for i in range(2):
+            with eng.generation_model() as m:
+                if extra:
+                    out["eager_while_generating"] = all(b.forward == b._rl_eager_forward for b in blocks)
+                batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
+            rewards = torch.arange(len(batch), dtype=torch.float32) % 3
+            batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
+            stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
+            w = eng.export_hf_state_dict()["model.layers.0.mlp.down_proj.weight"]
+            steps.append((stats.metrics["pg_loss"], w.clone()))
+        out[name] = steps
+        if extra:
+            out["compiled_blocks"] = sum(hasattr(b, "_rl_eager_forward") for b in blocks)
+            out["eager_after"] = any(b.forward == b._rl_eager_forward for b in blocks)
+    return out

@@ -39,6 +39,34 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in blocks if id(b) not in inner]
 
 
+def compile_decoder_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` the forward of every decoder block (engine.compile), as torchtitan and
+    torchtune do under FSDP2: the root's forward and the hooks fully_shard puts around each block
+    (gather before, free after, gradient reduction) stay eager, so a block computes on gathered
+    weights. Compiling the root forward instead bypassed the root's hooks and handed the blocks
+    sharded weights (a DTensor/tensor mix dynamo refused). One compiled graph serves every block
+    of a model (their code is the same; parameters are inputs). Returns how many were compiled."""
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        block._rl_eager_forward = block.forward
+        block.forward = torch.compile(block.forward, dynamic=False)
+    return len(blocks)
+
+
+@contextmanager
+def eager_decoder_blocks(model: torch.nn.Module):
+    """The blocks' own (uncompiled) forwards inside the block: generation feeds them a new shape
+    at every token, which a ``dynamic=False`` graph would recompile for (then give up on)."""
+    swapped = [(b, b.forward) for b in decoder_blocks(model) if hasattr(b, "_rl_eager_forward")]
+    for b, _ in swapped:
+        b.forward = b._rl_eager_forward
+    try:
+        yield model
+    finally:
+        for b, compiled in swapped:
+            b.forward = compiled
+
+
 class FSDPEngine(TrainEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -97,8 +125,8 @@ class FSDPEngine(TrainEngine):
         names = {id(m): n for n, m in model.named_modules()}
         self.activation_offload = make_activation_offloader(
             model, c.engine, [names[id(m)] for m in decoder_blocks(model)], self.device)
-        if c.engine.compile:
-            self._forward = torch.compile(self.model.forward, dynamic=False)
+        if c.engine.compile:  # each decoder block's forward: FSDP2's hooks stay eager around it
+            compile_decoder_blocks(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only
         self.optimizer, self._scheduler = build_optimizer(trainable, c.optim, self.total_updates)
         from engine.batching.buckets import make_bucket_policy
@@ -109,9 +137,10 @@ class FSDPEngine(TrainEngine):
         self._updates = 0
 
     def _share_prompts(self) -> bool:
-        """The grouped forward runs the model twice per micro-batch: not with a compiled forward
-        (it would bypass it), activation offload (its hooks expect one forward) or gradient
-        checkpointing (transformers drops the prompt's KV cache in training then)."""
+        """The grouped forward runs the model twice per micro-batch, the second with a KV cache:
+        not with compiled blocks (the cache object would go through dynamo), activation offload
+        (its hooks expect one forward) or gradient checkpointing (transformers drops the
+        prompt's KV cache in training then)."""
         return (self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
                 and not self.cfg.engine.gradient_checkpointing)  # HF turns the KV cache off under it
 
@@ -152,10 +181,8 @@ class FSDPEngine(TrainEngine):
 
     # ---- forward ------------------------------------------------------------------------
     def _forward_logits(self, model, mb: SequenceBatch) -> torch.Tensor:
-        fwd = getattr(self, "_forward", None) if model is self.model else None
-        fwd = fwd or model
-        out = fwd(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                  use_cache=False)
+        out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                    use_cache=False)
         return out.logits
 
     def _micro_batches(self, batch: SequenceBatch, observe: bool = True):
@@ -311,7 +338,8 @@ class FSDPEngine(TrainEngine):
         m.unshard()
         m.set_reshard_after_forward(False, recurse=True)
         try:
-            yield m
+            with eager_decoder_blocks(m):
+                yield m
         finally:
             from torch.distributed.fsdp import FSDPModule
 

@@ -204,7 +204,8 @@ class EngineConfig:
     activation_offload_modules: list = _f([], "glob patterns over module names whose saved activations are offloaded; empty = every decoder layer")
     activation_offload_host_cache_limit_gb: float = _f(8.0, "host memory per rank for offloaded activations (GiB, reused across micro-batches); beyond it tensors stay on the device and are counted", min=0.0)
     fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)")
-    compile: bool = _f(False, "torch.compile the model's forward")
+    compile: bool = _f(False, "fsdp: torch.compile each decoder block's forward for the update (generation "
+                               "stays eager); pair with engine.pad_to_length for few shapes")
 
 
 @dataclass
