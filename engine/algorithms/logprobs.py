@@ -8,11 +8,9 @@ import torch
 
 def entropy_from_log_probs(logp_all: torch.Tensor, grad: bool = True) -> torch.Tensor:
     """-sum p log p over the last dimension; ``grad=False``: a metric only (no graph kept)."""
-    if grad:
-        return -(logp_all.exp() * logp_all).sum(-1)
-    with torch.no_grad():
+    if not grad:
         logp_all = logp_all.detach()
-        return -(logp_all.exp() * logp_all).sum(-1)
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,

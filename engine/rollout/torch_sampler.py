@@ -77,7 +77,7 @@ class _ModelSteps:
     """Decode steps through the model's own forward and its growing cache (any architecture;
     the fallback of engine/rollout/static_decode.py), recording MoE routing when asked."""
 
-    def __init__(self, sampler: "TorchSampler", model, cache, attn: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, model, cache, attn: torch.Tensor, positions: torch.Tensor,
                  recorder=None, resp_rec: torch.Tensor | None = None):
         self.model, self.cache, self.attn, self.positions = model, cache, attn, positions
         self.kwarg = _cache_kwarg(model)
@@ -161,23 +161,22 @@ class TorchSampler(Sampler):
             prompt_rec = recorder.take(as_records=False).to(ROUTING_DTYPE).reshape(
                 len(uniq), P, recorder.layout.layers, -1)
             resp_rec = torch.full((B, N) + tuple(prompt_rec.shape[2:]), NO_RECORD, dtype=ROUTING_DTYPE, device=dev)
-        lanes = self._lanes(owner) if self.static_cache and recorder is None else [torch.arange(B)]
         decoders = None
-        if self.static_cache and recorder is None:
-            decoders = []
-            for lane in lanes:  # the lanes share one set of fused weights
+        if self.static_cache and recorder is None:  # a preallocated cache per lane, one set of fused weights
+            lanes, decoders = self._lanes(owner), []
+            for lane in lanes:
                 rows_dev = lane.to(dev)
                 decoders.append(StaticDecode.start(model, cache, attn[rows_dev], N, rows=expand[rows_dev],
                                                    positions=next_pos[rows_dev],
                                                    like=decoders[0] if decoders else None))
-                if decoders[-1] is None:
+                if decoders[-1] is None:  # not this architecture: the fallback below
+                    decoders = None
                     break
-            if any(d is None for d in decoders):
-                decoders, lanes = None, [torch.arange(B)]
         if decoders is None:  # the model's own forward decodes (one lane)
             if len(uniq) != B:
                 cache.batch_select_indices(expand)  # every sample gets its prompt's keys/values
-            decoders = [_ModelSteps(self, model, cache, attn, next_pos, recorder,
+            lanes = [torch.arange(B)]
+            decoders = [_ModelSteps(model, cache, attn, next_pos, recorder,
                                     resp_rec if recorder is not None else None)]
         del cache
         jobs = [(decoders[j], logits[lane.to(dev)], None if noise is None else noise[lane.to(dev)])
