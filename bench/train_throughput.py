@@ -14,6 +14,8 @@ the host) and the plain update forward (prompts recomputed for every sample);
 decode steps on a preallocated KV cache (engine/rollout/static_decode.py), decode lanes (one
 thread each, ``rollout.decode_lanes`` auto), each distinct prompt computed once in the update);
 ``onelane`` -- fast, but one decode lane on all threads (``rollout.decode_lanes=1``, before lanes).
+``fused`` -- fast, plus the update's fused RMSNorm/SiLU-gate kernels (``engine.fused_kernels``;
+compiled in the warm-up step, which is not timed).
 Update FLOP/s count 6 x matmul params x real tokens (prompt + response): the work of the plain
 forward+backward on the real tokens, so ``fast`` gets credit for computing less.
 """
@@ -57,9 +59,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ignore-eos", action="store_true", help="fixed-length responses (rollout.ignore_eos)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", default=["plain", "fast"], choices=["plain", "dynamic", "onelane", "fast"],
+    ap.add_argument("--modes", nargs="+", default=["plain", "fast"],
+                    choices=["plain", "dynamic", "onelane", "fast", "fused"],
                     help="dynamic = fast but decoding through the model's own forward (no static KV cache); "
-                         "onelane = fast with one decode lane")
+                         "onelane = fast with one decode lane; fused = fast with engine.fused_kernels (its "
+                         "compile is paid in the warm-up step)")
     ap.add_argument("--hog", type=int, default=0,
                     help="busy-loop processes running during the measured steps (a busy machine)")
     args = ap.parse_args()
@@ -84,12 +88,14 @@ def main() -> None:
     PAD, EOS = 0, 1
     runs = {}
     for mode in args.modes:
-        eng = FSDPEngine(cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
+        mode_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, fused_kernels=True)) \
+            if mode == "fused" else cfg
+        eng = FSDPEngine(mode_cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
         eng.build()
         eng.share_prompts = mode != "plain"
         rollout_cfg = dataclasses.replace(cfg.rollout, decode_lanes=1) if mode == "onelane" else cfg.rollout
         runs[mode] = {"eng": eng, "sampler": TorchSampler(rollout_cfg, PAD, EOS, eng.device, fast=mode != "plain",
-                                                          static_cache=mode in ("fast", "onelane")),
+                                                          static_cache=mode in ("fast", "onelane", "fused")),
                       "gen": torch.Generator().manual_seed(0), "roll": [], "upd": [], "roll_tok": [], "upd_tok": []}
     g = torch.Generator().manual_seed(0)
     lo, hi = args.prompt_len
@@ -150,10 +156,10 @@ def main() -> None:
         res[mode] = (roll_tps, upd_tps)
         print(f"{mode:7s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
               f"{100 * flops / peak:9.1f}%")
-    for base in ("plain", "dynamic", "onelane"):
-        if base in res and "fast" in res:
-            (pr, pu), (fr, fu) = res[base], res["fast"]
-            print(f"fast / {base}: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")
+    for base, new in (("plain", "fast"), ("dynamic", "fast"), ("onelane", "fast"), ("fast", "fused")):
+        if base in res and new in res:
+            (pr, pu), (fr, fu) = res[base], res[new]
+            print(f"{new} / {base}: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")
     dist.destroy_process_group()
 
 

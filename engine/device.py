@@ -46,6 +46,21 @@ def fp8_unavailable_reason() -> str:
     return ""
 
 
+def compile_unavailable_reason(on_cuda: bool) -> str:
+    """'' when torch.compile's inductor can generate kernels here, else why not: on a CPU it
+    compiles C++ (a C++ compiler, ``$CXX`` or g++/clang++/c++), on a GPU Triton kernels."""
+    import importlib.util
+    import os
+    import shutil
+
+    if on_cuda:
+        return "" if importlib.util.find_spec("triton") else "triton is not installed (pip install triton)"
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    if any(shutil.which(n) for n in names):
+        return ""
+    return f"no C++ compiler on PATH (looked for {', '.join(names)}); install one, e.g. apt install g++"
+
+
 def check_device_config(cfg) -> None:
     """Refuse (ConfigError, exit 2) a config this machine cannot run: trainer.device=cuda without
     CUDA, engine.fp8 without Transformer-Engine on an sm >= 8.9 GPU. Kept out of engine.config
@@ -55,6 +70,16 @@ def check_device_config(cfg) -> None:
     if cfg.trainer.device == "cuda" and not cuda_available():
         raise ConfigError("`trainer.device=cuda` but no CUDA device is visible on this machine. "
                           "Use trainer.device=auto (or cpu).", title="invalid config value")
+    kernels = [k for k in ("compile", "fused_kernels") if getattr(cfg.engine, k, False)]
+    if kernels and cfg.engine.name == "fsdp":
+        on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
+        reason = compile_unavailable_reason(on_cuda)
+        if reason:
+            keys = " and ".join(f"`engine.{k}=true`" for k in kernels)
+            raise ConfigError(f"{keys} {'needs' if len(kernels) == 1 else 'need'} torch.compile to generate "
+                              f"kernels, which cannot run here: {reason}. "
+                              f"Install it, or set {', '.join(f'engine.{k}=false' for k in kernels)}.",
+                              title="invalid config value")
     if cfg.engine.fp8:
         reason = fp8_unavailable_reason()
         if reason:

@@ -53,6 +53,10 @@ class FSDPCritic:
         for layer in decoder_blocks(model.backbone):
             fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
         fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
+        if cfg.engine.fused_kernels:  # the same kernels as the policy's (engine/model/fused_kernels.py)
+            from engine.model.fused_kernels import use_fused_kernels
+
+            use_fused_kernels(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(cfg.optim.betas),
                                            eps=cfg.optim.eps, weight_decay=c.weight_decay, foreach=False)

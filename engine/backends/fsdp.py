@@ -78,6 +78,7 @@ class FSDPEngine(TrainEngine):
         self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
         self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
         self.router_replay = None  # engine.moe.router_replay.RouterReplay, set by build()
+        self.fused_kernels: dict[str, int] = {}  # kind -> modules swapped (engine.fused_kernels)
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -125,6 +126,10 @@ class FSDPEngine(TrainEngine):
         names = {id(m): n for n, m in model.named_modules()}
         self.activation_offload = make_activation_offloader(
             model, c.engine, [names[id(m)] for m in decoder_blocks(model)], self.device)
+        if c.engine.fused_kernels:  # RMSNorm and the MLP's activation (engine/model/fused_kernels.py)
+            from engine.model.fused_kernels import use_fused_kernels
+
+            self.fused_kernels = use_fused_kernels(model)
         if c.engine.compile:  # each decoder block's forward: FSDP2's hooks stay eager around it
             compile_decoder_blocks(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only

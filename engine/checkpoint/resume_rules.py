@@ -47,6 +47,7 @@ ALLOWED: dict[str, str] = {
     "engine.max_tokens_per_micro_batch": _MEMORY + " (gradient sums may round differently)",
     "engine.gradient_checkpointing": _MEMORY,
     "engine.compile": "compiles the same forward",
+    "engine.fused_kernels": "the same formulas as fused kernels (float sums may round differently)",
     "engine.reshard_after_forward": _MEMORY,
     "engine.pad_to_length": _PADDING,
     "engine.pad_to_length_bucket": _PADDING,

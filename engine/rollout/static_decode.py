@@ -38,10 +38,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.layer_kinds import is_llama_rms_norm, is_plain_gated_mlp
+
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
-
-
-RMS_NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 PER_STEP_ROPE_TYPES = ("dynamic", "longrope")  # the tables depend on the longest position seen
 
 
@@ -55,11 +54,9 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 def _norm(module):
     """The RMSNorm ``module`` as a function of x: one ``F.rms_norm`` for the Llama-family class in
     float32 (the same formula: x * rsqrt(mean(x^2) + eps) * weight), else the module itself."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
-    if type(module).__name__ not in RMS_NORM_CLASSES or weight is None or eps is None \
-            or weight.dtype != torch.float32:
+    if not is_llama_rms_norm(module) or module.weight.dtype != torch.float32:
         return module
+    weight, eps = module.weight, module.variance_epsilon
     shape = (weight.shape[-1],)
     return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
 
@@ -116,12 +113,6 @@ def _fused(linears: list) -> tuple | None:
     return weight, bias
 
 
-def _plain_gated_mlp(mlp) -> bool:
-    """The MLP computes down(act(gate(x)) * up(x)) -- the Llama/Qwen/Mistral MLP classes."""
-    return type(mlp).__name__ in {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"} and \
-        all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-
-
 class StaticDecode:
     """One set of rows' decode state: the KV cache of every layer as [B, kv_heads, P + N,
     head_dim], which cache positions each row may attend to, and the rows' rotary tables."""
@@ -154,7 +145,7 @@ class StaticDecode:
             fuse = next(model.parameters()).device.type == "cpu"
             self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) if fuse else None
                         for ly in self.layers]
-            self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and _plain_gated_mlp(ly.mlp)
+            self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and is_plain_gated_mlp(ly.mlp)
                             else None for ly in self.layers]
             self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
             self.final_norm = _norm(self.inner.norm)

@@ -136,6 +136,8 @@ class MegatronEngine(TrainEngine):
                               "or install transformer-engine on a GPU machine.", title="unsupported option")
         if c.engine.compile:
             self._note("engine.compile is ignored by the megatron backend")
+        if c.engine.fused_kernels:
+            self._note("engine.fused_kernels is ignored by the megatron backend (megatron-core's layers have their own)")
         tp, sp = self._parallel_layout()
         self._init_parallel_state(tp)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), tp
