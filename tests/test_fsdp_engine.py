@@ -146,3 +146,63 @@ def _compiled_vs_eager(rank, world):
             out["compiled_blocks"] = sum(hasattr(b, "_rl_eager_forward") for b in blocks)
             out["eager_after"] = any(b.forward == b._rl_eager_forward for b in blocks)
     return out
+
+
+def test_fsdp_unit_auto_is_one_unit_on_a_one_rank_cpu_run():
+    """engine.fsdp_unit=auto: one FSDP2 unit for the whole model on one CPU rank (the per-layer
+    hooks cost 6-12% of an update there), a unit per decoder layer on more ranks or a GPU."""
+    from engine.backends.fsdp import shards_each_layer
+    from engine.config.schema import FSDPEngineConfig
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    auto, layer, model = (FSDPEngineConfig(fsdp_unit=u) for u in ("auto", "layer", "model"))
+    assert not shards_each_layer(auto, 1, cpu)
+    assert shards_each_layer(auto, 2, cpu) and shards_each_layer(auto, 1, gpu)
+    assert shards_each_layer(layer, 1, cpu) and not shards_each_layer(model, 4, gpu)
+
+
+def test_one_unit_trains_bit_for_bit_like_a_unit_per_layer():
+    """On one rank the whole-model unit and per-layer units compute the same update: after two
+    steps every weight and the optimizer state are equal bit for bit, and the checkpoint state
+    has the same keys, shapes and DTensor placements (a checkpoint of either loads into the
+    other)."""
+    results = run_ranks(_units_compared, 1)[0]
+    assert results["layer_units"] == results["layers"] + 1 >= 3 and results["model_units"] == 1
+    assert results["same_weights"] and results["same_optim"]
+    assert results["same_layout"]
+
+
+def _units_compared(rank, world):
+    from torch.distributed.fsdp import FSDPModule
+
+    from engine.backends.fsdp import decoder_blocks
+    from engine.algorithms.advantages import grpo_advantages, token_advantages
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.rollout.torch_sampler import TorchSampler
+
+    out, states = {}, {}
+    for unit in ("layer", "model"):
+        torch.manual_seed(0)
+        cfg, eng = _engine(["engine.micro_batch_size=4", "optim.lr=1e-2", f"engine.fsdp_unit={unit}"])
+        out[f"{unit}_units"] = sum(isinstance(m, FSDPModule) for m in eng.model.modules())
+        out["layers"] = len(decoder_blocks(eng.model))
+        sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
+        for i in range(2):
+            with eng.generation_model() as m:
+                batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
+            rewards = torch.arange(len(batch), dtype=torch.float32) % 3
+            batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
+            eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
+        states[unit] = eng.checkpoint_state()
+    a, b = states["layer"], states["model"]
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    out["same_weights"] = a["model"].keys() == b["model"].keys() and all(
+        torch.equal(local(a["model"][k]), local(b["model"][k])) for k in a["model"])
+    out["same_optim"] = a["optim"].keys() == b["optim"].keys() and all(
+        torch.equal(local(a["optim"][k]), local(b["optim"][k])) if isinstance(a["optim"][k], torch.Tensor)
+        else a["optim"][k] == b["optim"][k] for k in a["optim"])
+    out["same_layout"] = all(
+        tuple(a["model"][k].shape) == tuple(b["model"][k].shape)
+        and getattr(a["model"][k], "placements", None) == getattr(b["model"][k], "placements", None)
+        for k in a["model"])
+    return out

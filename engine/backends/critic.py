@@ -38,7 +38,7 @@ class FSDPCritic:
     def __init__(self, cfg, engine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from engine.backends.fsdp import decoder_blocks
+        from engine.backends.fsdp import decoder_blocks, shards_each_layer
         from engine.model.build import build_hf_model
 
         self.cfg, self.engine = cfg, engine
@@ -50,7 +50,8 @@ class FSDPCritic:
         del lm
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype), reduce_dtype=torch.float32)
         model.to(engine.device)
-        for layer in decoder_blocks(model.backbone):
+        per_layer = shards_each_layer(cfg.engine, engine.world_size, engine.device)
+        for layer in decoder_blocks(model.backbone) if per_layer else []:
             fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
         fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
         if cfg.engine.fused_kernels:  # the same kernels as the policy's (engine/model/fused_kernels.py)

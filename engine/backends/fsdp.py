@@ -39,6 +39,18 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in blocks if id(b) not in inner]
 
 
+def shards_each_layer(engine_cfg, world_size: int, device: torch.device) -> bool:
+    """Whether every decoder layer is its own FSDP2 unit (``engine.fsdp_unit``). One unit for the
+    whole model gathers once a pass instead of once a layer: on one rank nothing is sharded, and
+    on a CPU the per-layer hooks cost 6-12% of an update (docs/benchmarks.md, issue 17), while the
+    whole gathered copy costs host memory only. On GPUs and across ranks layers bound what is
+    gathered at once."""
+    unit = getattr(engine_cfg, "fsdp_unit", "layer")
+    if unit == "auto":
+        return not (world_size == 1 and device.type == "cpu")
+    return unit == "layer"
+
+
 def compile_decoder_blocks(model: torch.nn.Module) -> int:
     """``torch.compile`` the forward of every decoder block (engine.compile), as torchtitan and
     torchtune do under FSDP2: the root's forward and the hooks fully_shard puts around each block
@@ -109,9 +121,10 @@ class FSDPEngine(TrainEngine):
                 model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
+        per_layer = shards_each_layer(c.engine, self.world_size, self.device)
         for m in [model] + ([ref] if ref is not None else []):
             m.to(self.device)
-            for layer in decoder_blocks(m):
+            for layer in decoder_blocks(m) if per_layer else []:
                 fully_shard(layer, mesh=self.mesh, mp_policy=mp,
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)

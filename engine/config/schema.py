@@ -213,6 +213,10 @@ class EngineConfig:
 @dataclass
 class FSDPEngineConfig(EngineConfig):
     reshard_after_forward: bool = _f(True, "FSDP2: free gathered params after forward (ZeRO-3) or keep (ZeRO-2)")
+    fsdp_unit: str = _f("auto", "what one FSDP2 unit gathers at a time: each decoder layer (bounded gathered "
+                                "memory) or the whole model (one gather and one gradient reduction a pass, fewer "
+                                "hooks; its gathered weights live through the update); auto = model on a one-rank "
+                                "CPU run, layer otherwise", choices=["auto", "layer", "model"])
 
 
 @dataclass
