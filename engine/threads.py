@@ -26,6 +26,45 @@ PASSIVE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 USER_OMP_VARS = ("GOMP_SPINCOUNT",)
 
 
+# the driver's scheduling priority, given to its ranks (``restore_rank_priority``)
+RANK_NICENESS_ENV = "RL_RANK_NICENESS"
+
+
+def _niceness(tid: int = 0) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (AttributeError, OSError):  # not a POSIX system
+        return None
+
+
+def restore_rank_priority() -> str:
+    """Run this rank at the priority of the command that launched it (``RL_RANK_NICENESS``).
+
+    Ray starts its workers at niceness 15 (``worker_niceness``), so that its own daemons stay
+    responsive. For a rank that is the job itself, that means any ordinary process on the machine
+    takes the CPU first: with one busy process on 2 cores a step took 1.92x its quiet time at
+    niceness 15 and 1.41x at the driver's 0 (docs/benchmarks.md, issue 17). rl's private Ray starts
+    workers at the driver's niceness already (engine/trainer/ray_cluster.py); in a joined cluster
+    this lowers each thread's niceness where the OS allows it. Returns '' or a one-line note
+    saying why the rank stays below the driver's priority."""
+    want = os.environ.get(RANK_NICENESS_ENV, "")
+    now = _niceness()
+    if not want.lstrip("-").isdigit() or now is None or now <= int(want):
+        return ""
+    try:  # on Linux niceness is per thread: every thread there now; later ones inherit it
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, int(want))
+    except OSError as e:
+        return (f"this rank runs at niceness {now}, below the launching command's {want} ({e.strerror}): on a "
+                f"busy machine other processes take the CPU first. Start the Ray cluster with "
+                f"RAY_worker_niceness=0 (e.g. `RAY_worker_niceness=0 ray start ...`) to run ranks at full priority.")
+    return ""
+
+
 def apply_process_defaults() -> None:
     """Passive OpenMP waiting for this process (effective if torch is not imported yet)."""
     for k, v in PASSIVE_OMP_ENV.items():
@@ -38,6 +77,9 @@ def rank_env(threads: int) -> dict[str, str]:
     environment, so they are passed explicitly)."""
     env = {k: os.environ.get(k, v) for k, v in PASSIVE_OMP_ENV.items()}
     env.update({k: os.environ[k] for k in USER_OMP_VARS if k in os.environ})
+    nice = _niceness()
+    if nice is not None:
+        env[RANK_NICENESS_ENV] = str(nice)
     return {"OMP_NUM_THREADS": str(max(1, threads)), **env}
 
 

@@ -120,8 +120,10 @@ def ray_cluster(address: str, num_cpus: int):
                 # no prestarted idle workers: every rank is an actor with its own runtime_env (its
                 # thread settings), which Ray never gives to a prestarted worker, so they only cost
                 # start-up CPU (~0.8 CPU-s a run on the 2-core machine)
+                # worker_niceness 0: ranks at the driver's own priority, not Ray's default 15, under
+                # which any ordinary process on a busy machine takes the CPU first (engine/threads.py)
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
-                         _system_config={"prestart_worker_first_driver": False}, **kwargs)
+                         _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0}, **kwargs)
             finally:
                 if saved is not None:
                     os.environ["RAY_ADDRESS"] = saved

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
-from engine.threads import adapt_threads, configure_torch_threads
+from engine.threads import adapt_threads, configure_torch_threads, restore_rank_priority
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,9 @@ class RankWorker:
         self.rank, self.world_size = rank, world_size
         self._store_fd = None
         self.model_path, self.vocab = "", {}  # set by setup()
+        note = restore_rank_priority()  # Ray's niceness 15 -> the launching command's (engine/threads.py)
+        if note:
+            print(f"rl rank {rank}: {note}", file=sys.stderr, flush=True)
         configure_torch_threads(threads)  # before torch's first parallel region: its thread pool
         # trainer.adapt_threads (with threads_per_rank=0): follow the free cores each phase; only
         # when asked, because the thread count changes how float sums are split
