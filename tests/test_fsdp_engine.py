@@ -118,30 +118,43 @@ def test_compiled_blocks_train_like_eager():
     assert results["eager_while_generating"] and not results["eager_after"]
 
 
-def _compiled_vs_eager(rank, world):
+def grpo_steps(cfg, eng, world, n_steps: int = 2, while_generating=None) -> list:
+    """``n_steps`` GRPO steps on two fixed prompt groups (4 samples each, seeded rollouts):
+    [(pg_loss, a copy of layer 0's down_proj weight)] after each. ``while_generating()`` runs
+    inside each rollout's generation_model."""
     from engine.algorithms.advantages import grpo_advantages, token_advantages
     from engine.algorithms.policy_loss import PolicyLoss
-    from engine.backends.fsdp import decoder_blocks
     from engine.rollout.torch_sampler import TorchSampler
+
+    sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
+    steps = []
+    for i in range(n_steps):
+        with eng.generation_model() as m:
+            if while_generating is not None:
+                while_generating()
+            batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
+        rewards = torch.arange(len(batch), dtype=torch.float32) % 3
+        batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
+        stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
+        w = eng.export_hf_state_dict()["model.layers.0.mlp.down_proj.weight"]
+        steps.append((stats.metrics["pg_loss"], w.clone()))
+    return steps
+
+
+def _compiled_vs_eager(rank, world):
+    from engine.backends.fsdp import decoder_blocks
 
     out = {}
     for name, extra in (("eager", []), ("compiled", ["engine.compile=true"])):
         torch.manual_seed(0)
         cfg, eng = _engine(["engine.micro_batch_size=16", "optim.lr=1e-2", *extra])
-        sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
         blocks = decoder_blocks(eng.model)
-        steps = []
-        for i in range(2):
-            with eng.generation_model() as m:
-                if extra:
-                    out["eager_while_generating"] = all(b.forward == b._rl_eager_forward for b in blocks)
-                batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
-            rewards = torch.arange(len(batch), dtype=torch.float32) % 3
-            batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
-            stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
-            w = eng.export_hf_state_dict()["model.layers.0.mlp.down_proj.weight"]
-            steps.append((stats.metrics["pg_loss"], w.clone()))
-        out[name] = steps
+
+        def check():
+            if extra:
+                out["eager_while_generating"] = all(b.forward == b._rl_eager_forward for b in blocks)
+
+        out[name] = grpo_steps(cfg, eng, world, while_generating=check)
         if extra:
             out["compiled_blocks"] = sum(hasattr(b, "_rl_eager_forward") for b in blocks)
             out["eager_after"] = any(b.forward == b._rl_eager_forward for b in blocks)
@@ -176,9 +189,6 @@ def _units_compared(rank, world):
     from torch.distributed.fsdp import FSDPModule
 
     from engine.backends.fsdp import decoder_blocks
-    from engine.algorithms.advantages import grpo_advantages, token_advantages
-    from engine.algorithms.policy_loss import PolicyLoss
-    from engine.rollout.torch_sampler import TorchSampler
 
     out, states = {}, {}
     for unit in ("layer", "model"):
@@ -186,13 +196,7 @@ def _units_compared(rank, world):
         cfg, eng = _engine(["engine.micro_batch_size=4", "optim.lr=1e-2", f"engine.fsdp_unit={unit}"])
         out[f"{unit}_units"] = sum(isinstance(m, FSDPModule) for m in eng.model.modules())
         out["layers"] = len(decoder_blocks(eng.model))
-        sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
-        for i in range(2):
-            with eng.generation_model() as m:
-                batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
-            rewards = torch.arange(len(batch), dtype=torch.float32) % 3
-            batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
-            eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
+        grpo_steps(cfg, eng, world)
         states[unit] = eng.checkpoint_state()
     a, b = states["layer"], states["model"]
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731

@@ -93,10 +93,8 @@ def test_fused_kernels_train_like_eager_on_two_ranks():
 
 
 def _fused_vs_eager(rank, world):
-    from engine.algorithms.advantages import grpo_advantages, token_advantages
-    from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
-    from engine.rollout.torch_sampler import TorchSampler
+    from tests.test_fsdp_engine import grpo_steps
 
     out = {}
     for name, extra in (("eager", []), ("fused", ["engine.fused_kernels=true"])):
@@ -104,17 +102,7 @@ def _fused_vs_eager(rank, world):
         cfg = load_run_config(["engine.micro_batch_size=16", "optim.lr=1e-2", *extra]).config
         eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
         eng.build()
-        sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
-        steps = []
-        for i in range(2):
-            with eng.generation_model() as m:
-                batch = sampler.generate(m, [[3, 4, 5], [6, 7]], 4, torch.Generator().manual_seed(i))
-            rewards = torch.arange(len(batch), dtype=torch.float32) % 3
-            batch.advantages = token_advantages(grpo_advantages(rewards, 4), batch.response_mask)
-            stats = eng.train_step(batch, PolicyLoss(cfg.algorithm, world))
-            w = eng.export_hf_state_dict()["model.layers.0.mlp.down_proj.weight"]
-            steps.append((stats.metrics["pg_loss"], w.clone()))
-        out[name] = steps
+        out[name] = grpo_steps(cfg, eng, world)
         if extra:
             out["counts"] = eng.fused_kernels
     return out
