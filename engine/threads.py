@@ -30,9 +30,9 @@ USER_OMP_VARS = ("GOMP_SPINCOUNT",)
 RANK_NICENESS_ENV = "RL_RANK_NICENESS"
 
 
-def _niceness(tid: int = 0) -> int | None:
+def _niceness() -> int | None:
     try:
-        return os.getpriority(os.PRIO_PROCESS, tid)
+        return os.getpriority(os.PRIO_PROCESS, 0)
     except (AttributeError, OSError):  # not a POSIX system
         return None
 
