@@ -91,7 +91,8 @@ def test_raising_reward_stops_cleanly_with_last_checkpoint_intact(project):
     assert "Traceback" not in r.stderr
     err = " ".join(r.stderr.split())
     assert "reward function `myrewards:fails_at_step_3` failed on train.jsonl row" in err
-    assert "ValueError: cannot score" in err and "myrewards.py" in err
+    unwrapped = "".join(c for c in r.stderr if c not in "│ \n")  # a long path wraps inside the panel
+    assert "ValueError: cannot score" in err and "myrewards.py" in unwrapped, err
     assert "step_2, is intact" in err and "rl resume" in err
     assert (project / "ck" / "step_2" / "manifest.json").exists()
     plan = rl("resume", "ck", "--dry-run", "--json", cwd=project)
