@@ -12,9 +12,17 @@ itself opt out by unsetting RAY_ADDRESS for their runs: test_listeners (loopback
 the reaper after SIGKILL), test_cluster_local, the network-namespace clusters and
 test_resume's SIGKILL runs (a killed driver's ranks must die with its session there).
 `RL_TEST_PRIVATE_RAY=1` runs the whole suite on private Rays, as before.
+
+Two test processes (pytest-xdist, `-n 2` in the README's command): the suite is mostly real
+`rl` processes starting, importing and waiting on each other, so two at a time finish sooner on
+two cores. Each worker has its own Ray head. A test marked `alone` (one that measures speed)
+runs with no other test running: every test holds a shared lock on one file for the test run,
+an `alone` test an exclusive one, and a turnstile lock in front keeps the exclusive waiter from
+being starved by the other worker's stream of shared ones.
 Teardown ends exactly this head's processes (never `ray stop`, which ends every Ray on the
 machine) and removes its temp dir."""
 
+import fcntl
 import os
 
 import pytest
@@ -49,3 +57,36 @@ def session_ray_head():
         os.environ.pop("RAY_ADDRESS", None)
         os.environ.pop("RAY_TMPDIR", None)
         head.stop()
+
+
+def _lock(path: str, mode: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, mode)
+    return fd
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_shared(request):
+    """Under xdist: an `alone` test runs while no other test does (see the module docstring)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    base = f"/tmp/rl-tests-{run}"
+    alone = request.node.get_closest_marker("alone") is not None
+    gate = _lock(base + ".turnstile", fcntl.LOCK_EX)
+    try:
+        if not alone:
+            os.close(gate)  # through the turnstile; an `alone` test waiting holds it
+            gate = None
+        main = _lock(base + ".lock", fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    except BaseException:
+        if gate is not None:
+            os.close(gate)
+        raise
+    try:
+        yield
+    finally:
+        os.close(main)
+        if gate is not None:
+            os.close(gate)

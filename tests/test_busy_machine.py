@@ -72,6 +72,7 @@ HOG = "import time\nt = time.time()\nwhile time.time() - t < 240: pass\n"
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_step_under_cpu_hog_within_3x_of_quiet(tmp_path):
     cores = os.cpu_count() or 1
     env = {**os.environ, "PYTHONPATH": str(ROOT), **rank_env(cores)}  # what WorkerGroup gives a 1-rank run
