@@ -10,8 +10,19 @@ from typing import Any, Callable, TypeVar
 from rich.console import Console
 from rich.panel import Panel
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+
+def stdout_console() -> Console:
+    """A console on stdout, sized from the terminal (or COLUMNS) as it is now. Built when a
+    command runs, never at import: rich fixes a console's width from COLUMNS when the console
+    is made, so one made at import would keep that width for every later command in the
+    same process (an embedding program, a test runner)."""
+    return Console(highlight=False)
+
+
+def stderr_console() -> Console:
+    """A console on stderr (progress, notes and errors that must not mix with --json on stdout)."""
+    return Console(stderr=True, highlight=False)
 
 T = TypeVar("T")
 
@@ -40,7 +51,7 @@ def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     import typer
     from rich.text import Text
 
-    err_console.print(Panel(Text(str(message)), title=Text(str(title), style="bold red"), title_align="left",
+    stderr_console().print(Panel(Text(str(message)), title=Text(str(title), style="bold red"), title_align="left",
                             border_style="red", expand=False))
     raise typer.Exit(exit_code)
 

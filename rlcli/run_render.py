@@ -6,7 +6,7 @@ import signal
 from dataclasses import asdict
 from pathlib import Path
 
-from rlcli.output import call_engine, console, err_console, print_json
+from rlcli.output import call_engine, print_json, stderr_console, stdout_console
 
 
 def render_config(loaded, json_out: bool, report=None) -> None:
@@ -31,6 +31,7 @@ def render_config(loaded, json_out: bool, report=None) -> None:
             t.add_row(k, Text(str(v), style="yellow"), Text(str(loaded.changed[k][0])))
         else:
             t.add_row(k, Text(str(v)), "")
+    console = stdout_console()
     console.print(t)
     if report is not None:
         from rlcli.render.preflight import preflight_table
@@ -45,7 +46,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
                                        StepRecord, Validation)
     from engine.trainer.trainer import train
 
-    out = err_console if json_out else console  # under --json only the summary JSON goes to stdout
+    out = stderr_console() if json_out else stdout_console()  # under --json only the summary JSON goes to stdout
     printer = StepPrinter(out, cfg.trainer.log_freq, enabled="console" in cfg.trainer.loggers)
     phases = PhaseDisplay(out)
 
@@ -88,7 +89,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         latest = latest_complete(Path(cfg.checkpoint.dir))
         where = (f"latest complete checkpoint: {latest.path} (continue with `rl resume {cfg.checkpoint.dir}`)"
                  if latest else "no checkpoint had been saved yet")
-        err_console.print(f"[red]interrupted[/]: workers and Ray stopped; {where}.")
+        stderr_console().print(f"[red]interrupted[/]: workers and Ray stopped; {where}.")
         raise typer.Exit(130)
     if json_out:
         print_json(summary.to_json())

@@ -19,3 +19,21 @@ def test_a_missing_command_module_fails_the_cli():
             "import rlcli.main")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "rlcli.commands.env" in r.stderr
+
+
+def test_output_width_follows_the_terminal_when_the_command_runs():
+    """rich fixes a console's width from COLUMNS when the console is made. rl makes its
+    consoles when a command runs, so a command drawn in a wide terminal is drawn wide even
+    if rlcli was imported under a narrow one (an embedding program; pytest-xdist workers
+    export COLUMNS=80): tables and error panels are not wrapped at a stale width."""
+    code = ("import os, sys, rlcli.output, rlcli.run_render\n"
+            "os.environ['COLUMNS'] = sys.argv[1]\n"
+            "from rlcli.main import app\n"
+            "app(['env', '--no-torch'])\n")
+    widths = {}
+    for cols in ("60", "200"):
+        r = subprocess.run([sys.executable, "-c", code, cols], capture_output=True, text=True, timeout=120,
+                           env={**__import__("os").environ, "COLUMNS": "80", "NO_COLOR": "1"})
+        assert r.returncode == 0, r.stderr
+        widths[cols] = max(len(line) for line in r.stdout.splitlines())
+    assert widths["60"] <= 60 < 80 < widths["200"], widths

@@ -28,7 +28,9 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from engine.env_info import collect
-        from rlcli.output import call_engine, console, print_json
+        from rlcli.output import call_engine, print_json, stdout_console
+
+        console = stdout_console()
 
         report = call_engine(collect, probe_torch=probe_torch)
         if json_out:

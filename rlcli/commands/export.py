@@ -50,9 +50,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a Hugging Face model directory (config, generation config, safetensors, tokenizer) from a
         checkpoint, atomically."""
-        from rlcli.output import call_engine, console, print_json
+        from rlcli.output import call_engine, print_json, stdout_console
 
         from engine.export import export_checkpoint
+
+        console = stdout_console()
 
         result = call_engine(export_checkpoint, path, out=out, dtype=dtype, overwrite=overwrite, adapter=adapter,
                              max_shard_size=max_shard_size)

@@ -69,8 +69,10 @@ def register(app: typer.Typer) -> None:
         from engine.errors import UserError
         from engine.inspect import diff_paths, inspect_checkpoint, inspect_path
         from engine.inspect.report import RunReport
-        from rlcli.output import call_engine, console, print_json
+        from rlcli.output import call_engine, print_json, stdout_console
         from rlcli.render import inspect as render
+
+        console = stdout_console()
 
         if diff is not None:
             if verify:

@@ -60,10 +60,12 @@ def register(app: typer.Typer) -> None:
             rich_help_panel="Output")] = False,
     ) -> None:
         """Memory per phase and category: estimate beside measured, offload what-if, FP8 workspaces, fixes."""
-        from rlcli.output import call_engine, console, err_console, fail, print_json
+        from rlcli.output import call_engine, fail, print_json, stderr_console, stdout_console
         from rlcli.render.mem_report import render_report
 
         from engine.memory import measure
+
+        console, err_console = stdout_console(), stderr_console()
 
         args = list(args or [])
         if estimate:

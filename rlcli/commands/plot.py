@@ -49,9 +49,11 @@ def register(app: typer.Typer) -> None:
         """Draw a metric of one or several runs (terminal chart, or a PNG with --png)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, console, print_json
+        from rlcli.output import call_engine, print_json, stdout_console
 
         from engine.tracking.series import available_metrics, load_series
+
+        console = stdout_console()
 
         if list_metrics:
             found = {r: call_engine(available_metrics, Path(r)) for r in runs}

@@ -60,11 +60,13 @@ def register(app: typer.Typer) -> None:
         """Continue a run exactly where its checkpoint left off (model, optimizer, LR schedule, RNG, data)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, console, err_console, print_json
+        from rlcli.output import call_engine, print_json, stderr_console, stdout_console
         from rlcli.render.resume import resume_table
         from rlcli.run_render import run_and_render
 
         from engine.checkpoint.plan import plan_resume
+
+        console, err_console = stdout_console(), stderr_console()
 
         plan = call_engine(plan_resume, Path(path), list(overrides or []), allow_partial=allow_partial,
                            verify=not no_verify)

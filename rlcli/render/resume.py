@@ -14,6 +14,27 @@ def _names(names: list[str], limit: int = 12) -> str:
     return "\n".join(group_names(names, limit))
 
 
+def _rng_rows(rng: list[dict]) -> list[str]:
+    """One row per run of consecutive ranks restored the same way ("ranks 0-3: rng/rank_<r>.pt",
+    "ranks 4-1023: no saved RNG ..."), so the table stays a few lines at any world size."""
+    runs: list[list[dict]] = []
+    for r in rng:
+        same = runs and (runs[-1][0]["source"] is None) == (r["source"] is None) and runs[-1][0]["note"] == r["note"]
+        if same:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    rows = []
+    for run in runs:
+        first = run[0]
+        if len(run) == 1:
+            who, src = f"rank {first['rank']}", first["source"]
+        else:
+            who, src = f"ranks {first['rank']}-{run[-1]['rank']}", first["source"] and "rng/rank_<r>.pt"
+        rows.append(f"{who}: {escape(src) if src else '[yellow]' + escape(first['note']) + '[/]'}")
+    return rows
+
+
 def resume_table(plan) -> Group:
     """The table `rl resume` prints before training continues (and for --dry-run)."""
     t = Table(title="rl resume", show_header=False, title_justify="left", title_style="bold")
@@ -53,9 +74,8 @@ def resume_table(plan) -> Group:
                       "manifest says they had state")
     lr = plan.lr_scheduler
     t.add_row("LR scheduler", f"last_epoch {lr.get('last_epoch')}, lr {lr.get('last_lr')}", "trainer.json")
-    for r in plan.rng:
-        src = r["source"] or f"[yellow]{r['note']}[/]"
-        t.add_row("RNG" if r["rank"] == 0 else "", f"rank {r['rank']}: {src}", "torch, cuda, python, numpy, sampler")
+    for i, row in enumerate(_rng_rows(plan.rng)):
+        t.add_row("RNG" if i == 0 else "", row, "torch, cuda, python, numpy, sampler")
     d = plan.data
     t.add_row("data", f"epoch {d.get('epoch')}, prompt {d.get('index')} / {d.get('n')}", "trainer.json")
     ws = f"{plan.world_size_then} -> {plan.world_size_now}"
