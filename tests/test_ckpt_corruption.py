@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -175,6 +176,62 @@ def test_inspect_verify_refuses_every_damage(damaged):
     before = tree_state(run)
     r = cli("inspect-ckpt", str(run / STEP), "--verify")
     _assert_refused(r, run, before)
+
+
+def test_export_refuses_every_damage(damaged, tmp_path):
+    """`rl export` verifies the checkpoint as `rl resume` does (it used to check sizes only, and
+    read `.metadata` with pickle.load): every damage is refused and no output is written."""
+    _case, run = damaged
+    before = tree_state(run)
+    r = cli("export", str(run), "--out", str(tmp_path / "out"))
+    _assert_refused(r, run, before)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_never_runs_code_from_the_checkpoint(trained, tmp_path):
+    """A `.metadata` that pickles os.system, manifest resealed to match (so verification by
+    hashes passes): `rl export` refuses it with exit 2 and the marker is never created (it
+    used to be: export read `.metadata` with DCP's pickle.load). A planted optimizer value
+    (export never loads it) is refused too: every pickle goes through the restricted reader."""
+    from tests.ckpt_tools import RunsCode
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    marker = tmp_path / "PWNED"
+    (run / STEP / "state" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    reseal(run / STEP)
+    before = tree_state(run)
+    r = cli("export", str(run), "--out", str(tmp_path / "out"))
+    _assert_refused(r, run, before)
+    assert "posix.system" in r.output.replace("\n", "") and not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+    run2 = tmp_path / "run2"
+    shutil.copytree(trained, run2)
+    plant_code_in_shard(run2 / STEP, marker)
+    before = tree_state(run2)
+    r = cli("export", str(run2), "--out", str(tmp_path / "out2"))
+    _assert_refused(r, run2, before)
+    assert "posix.system" in r.output.replace("\n", "") and not marker.exists()
+    assert not (tmp_path / "out2").exists()
+
+
+def test_default_export_inside_the_step_keeps_it_resumable(trained, tmp_path):
+    """`rl export RUN` writes step_N/hf; that directory is not a checkpoint file, so the step
+    still verifies (resume, inspect --verify) and a second export (--overwrite) works. Before,
+    verification refused the step ("hf/model.safetensors is not listed in manifest.json")."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    assert cli("export", str(run)).exit_code == 0
+    assert (run / STEP / "hf" / "model.safetensors").is_file()
+    r = cli("resume", str(run), "trainer.total_steps=3", "--dry-run")
+    assert r.exit_code == 0, r.output[-3000:]
+    assert cli("inspect-ckpt", str(run / STEP), "--verify").exit_code == 0
+    r = cli("export", str(run), "--overwrite")
+    assert r.exit_code == 0, r.output[-3000:]
+    (run / STEP / "hf.txt").write_text("x")  # only the export directories are skipped
+    r = cli("inspect-ckpt", str(run / STEP), "--verify")
+    assert r.exit_code == 2 and "hf.txt is not listed" in " ".join(r.output.split())
 
 
 def test_the_undamaged_checkpoint_verifies(trained):

@@ -83,6 +83,6 @@ def latest_hint(run_root: Path, command: str = "resume") -> str:
     return f" The latest complete checkpoint there is {done[-1].path.name}: `rl {command} {done[-1].path}`."
 
 
-def earlier_hint(root: Path, step: StepDir) -> str:
+def earlier_hint(root: Path, step: StepDir, command: str = "resume") -> str:
     earlier = [s for s in complete_steps(root) if s.step < step.step]
-    return f" Earlier: `rl resume {earlier[-1].path}`." if earlier else ""
+    return f" Earlier: `rl {command} {earlier[-1].path}`." if earlier else ""

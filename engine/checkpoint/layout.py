@@ -31,6 +31,10 @@ RNG_DIR = "rng"
 RNG_FILE_RE = re.compile(r"^rank_(\d+)\.pt$")             # inside rng/
 RNG_PATH_RE = re.compile(r"^rng/rank_(\d+)\.pt$")          # relative to the step dir
 DCP_DATA_PATH_RE = re.compile(r"^state/__(\d+)_\d+\.distcp$")  # relative to the step dir: rank R's shard
+# `rl export`'s default outputs inside a step (and their staging siblings while one is written):
+# never read by resume or inspect, so verification does not count them as checkpoint files
+EXPORT_DIRS = ("hf", "hf-adapter")
+EXPORT_STAGING_RE = re.compile(r"^\.(?:hf|hf-adapter)\.(?:tmp|old)-")
 FORMAT = "rl-checkpoint"
 RUN_FORMAT = "rl-run"
 VERSION = 1               # run.json's format version

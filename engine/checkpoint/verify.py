@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from engine.checkpoint.digest import ALGORITHMS, MANIFEST_DIGEST_KEY, hash_file, manifest_digest
 from engine.checkpoint.layout import DCP_DATA_PATH_RE as _DATA_FILE
-from engine.checkpoint.layout import MANIFEST, STEP_RE
+from engine.checkpoint.layout import EXPORT_DIRS, EXPORT_STAGING_RE, MANIFEST, STEP_RE
 from engine.checkpoint.layout import RNG_PATH_RE as _RNG_FILE
 from engine.errors import CheckpointError
 _SHOWN = 8
@@ -129,8 +129,8 @@ def raise_if_corrupt(v: Verification, hint: str = "") -> None:
     if v.problems:
         shown = v.problems[:_SHOWN] + ([f"and {len(v.problems) - _SHOWN} more"] if len(v.problems) > _SHOWN else [])
         raise CheckpointError(
-            f"{v.step_dir} does not match its manifest: {'; '.join(shown)}. The checkpoint was damaged or edited "
-            f"after it was written; nothing was loaded or changed.{hint}", title="corrupt checkpoint")
+            f"{v.step_dir} does not match its manifest: {'; '.join(shown).rstrip('.')}. The checkpoint was damaged or "
+            f"edited after it was written; nothing was loaded or changed.{hint}", title="corrupt checkpoint")
 
 
 # ---- layer 1 ------------------------------------------------------------------------------
@@ -170,6 +170,8 @@ def _walk(root: Path, problems: list[str]) -> dict[str, int]:
             except OSError as err:
                 problems.append(f"{rel} cannot be read ({err.strerror or err})")
                 continue
+            if d == root and stat.S_ISDIR(st.st_mode) and (e.name in EXPORT_DIRS or EXPORT_STAGING_RE.match(e.name)):
+                continue  # `rl export`'s default output (step_N/hf): not checkpoint files, never read
             if stat.S_ISLNK(st.st_mode):
                 problems.append(f"{rel} is a symbolic link (a save writes only regular files)")
             elif stat.S_ISDIR(st.st_mode):

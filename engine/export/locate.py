@@ -1,14 +1,18 @@
 """Which checkpoint `rl export PATH` reads, and the refusals: a path that is not an rl
-checkpoint, an incomplete save, a damaged one. Reads metadata only."""
+checkpoint, an incomplete save, a damaged or edited one.
+
+The checkpoint is verified as `rl resume` verifies it (engine/checkpoint/verify.py: structure,
+manifest digest, content hashes, cross-checks) and its DCP metadata is read through the
+restricted unpickler before any tensor is loaded; the tensors are then loaded with
+engine/checkpoint/safe_dcp.py's reader and planner. Nothing in the checkpoint can run code."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint.find import find_checkpoint, latest_hint
-from engine.checkpoint.layout import FORMAT, MANIFEST, manifest_file_problems
+from engine.checkpoint.find import earlier_hint, find_checkpoint
+from engine.checkpoint.layout import MANIFEST
 from engine.errors import CheckpointError
 
 EXPORT_MARKER = "rl_export.json"   # written into every exported directory
@@ -39,20 +43,24 @@ def locate(path: Path) -> SourceCheckpoint:
                               f"step_N/.", title="not an rl checkpoint")
     loc = find_checkpoint(path, command="export")
     step_dir, step = loc.step.path, loc.step.step
+    from engine.checkpoint.manifest import read_manifest, saved_entries
+    from engine.checkpoint.verify import raise_if_corrupt, verify_step
+
+    hint = f" Export an earlier step.{earlier_hint(loc.run_root, loc.step, 'export')}"
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{step_dir / MANIFEST} cannot be read ({e}); the checkpoint is damaged. Export an "
-                              f"earlier step.", title="corrupt checkpoint") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{step_dir} has a {MANIFEST} that is not an rl checkpoint's (format "
-                              f"{manifest.get('format')!r}, expected {FORMAT!r}).", title="not an rl checkpoint")
-    problems = manifest_file_problems(step_dir, manifest)
-    if problems:
-        raise CheckpointError(f"{step_dir} is incomplete: {'; '.join(problems[:3])}"
-                              f"{' ...' if len(problems) > 3 else ''}. Export an earlier step."
-                              f"{latest_hint(step_dir.parent, 'export')}", title="incomplete checkpoint")
+        manifest = read_manifest(loc.step)  # bounded JSON, format and version checked
+    except CheckpointError as e:
+        raise CheckpointError(e.message.replace("resume an earlier one.", "export an earlier step."),
+                              title=e.title) from None
     if not (step_dir / "state" / ".metadata").is_file():
-        raise CheckpointError(f"{step_dir}/state/.metadata is missing: the DCP shards cannot be read.",
+        raise CheckpointError(f"{step_dir}/state/.metadata is missing: the DCP shards cannot be read.{hint}",
                               title="incomplete checkpoint")
+    raise_if_corrupt(verify_step(step_dir, manifest, content=True), hint)
+    # every pickle in the step through the restricted unpickler, as `rl resume` does, before DCP
+    # sees any of it: a checkpoint crafted to run code is refused whole, not only where export reads
+    from engine.inspect.safe_unpickle import read_torch_archive
+
+    saved_entries(step_dir / "state", str(step_dir / "state"), read_values=True)
+    for f in sorted((step_dir / "rng").glob("rank_*.pt")):
+        read_torch_archive(f, display=str(f))
     return SourceCheckpoint(step_dir, step, manifest)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.layout import EXPORT_DIRS
 from engine.errors import UserError
 from engine.export.base_model import load_base_model
 from engine.export.locate import EXPORT_MARKER, locate
@@ -52,7 +53,7 @@ def export_checkpoint(path, out=None, dtype: str | None = None, overwrite: bool 
                         f"(the run had no model.lora.rank). Drop --adapter to export the full model.",
                         title="not a LoRA checkpoint")
     _check_shard_size(max_shard_size)
-    out = Path(out) if out else src.step_dir / ("hf-adapter" if adapter else "hf")
+    out = Path(out) if out else src.step_dir / EXPORT_DIRS[1 if adapter else 0]  # verification skips these
     check_target(out, overwrite)
     dtype_name = _dtype(dtype, ((src.config.get("model") or {}).get("dtype")))
     torch_dtype = getattr(torch, dtype_name)

@@ -32,10 +32,11 @@ class TensorPlan:
 
 def checkpoint_model_entries(state_dir: Path) -> dict[str, object]:
     """Checkpoint key (prefix stripped) -> DCP TensorStorageMetadata, for model entries only."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(str(state_dir)).read_metadata()
+    from engine.checkpoint.safe_dcp import safe_reader
+
+    meta = safe_reader(state_dir).read_metadata()  # never pickle.load (engine/checkpoint/safe_dcp.py)
     return {k[len(MODEL_PREFIX):]: v for k, v in meta.state_dict_metadata.items()
             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
 
@@ -84,15 +85,16 @@ def plan_tensors(config, entries: dict[str, object], where: Path) -> TensorPlan:
 def load_entries(state_dir: Path, keys: list[str], source_dtypes: dict[str, torch.dtype],
                  shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Full tensors for ``keys`` (checkpoint keys without the prefix); nothing else is read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint.safe_dcp import SafeLoadPlanner, safe_reader
 
     sd = {k: torch.empty(shapes[k], dtype=source_dtypes[k]) for k in keys}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": sd}, storage_reader=FileSystemReader(str(state_dir)), no_dist=True)
+        dcp.load({"model": sd}, storage_reader=safe_reader(state_dir), planner=SafeLoadPlanner(), no_dist=True)
     return sd
 
 
