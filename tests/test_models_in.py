@@ -178,3 +178,110 @@ def test_hub_id_gpt2_trains_and_round_trips_through_export(model_dirs, tmp_path)
     result = export_checkpoint(run, out=tmp_path / "hf")
     assert result.model_type == "gpt2"
     assert hf_greedy(tmp_path / "hf", held_out_prompts()) == final_validation(run)["responses"]
+
+
+# ---- nothing in a model directory runs code (docs/security.md, "Model directories") --------
+EVIL_PY = "open({marker!r}, 'w').write('ran')\nfrom transformers import {base}\nclass {cls}({base}):\n    pass\n"
+
+
+def _custom_code_dir(tmp_path: Path, which: str) -> tuple[Path, Path]:
+    """A real tiny llama directory whose config (``which="model"``) or tokenizer config
+    (``which="tokenizer"``) names a class that exists only in the directory's own evil.py,
+    which creates a marker file when imported."""
+    d, marker = save_tiny_model("llama", tmp_path / f"custom_{which}"), tmp_path / f"PWNED_{which}"
+    if which == "model":
+        c = json.loads((d / "config.json").read_text())
+        c.update(model_type="evilarch", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                  "AutoModelForCausalLM": "evil.EvilModel"})
+        (d / "config.json").write_text(json.dumps(c))
+        (d / "evil.py").write_text(EVIL_PY.format(marker=str(marker), base="LlamaConfig", cls="EvilConfig"))
+    else:
+        t = json.loads((d / "tokenizer_config.json").read_text())
+        t.update(tokenizer_class="EvilTok", auto_map={"AutoTokenizer": ["evil.EvilTok", "evil.EvilTok"]})
+        (d / "tokenizer_config.json").write_text(json.dumps(t))
+        (d / "evil.py").write_text(EVIL_PY.format(marker=str(marker), base="PreTrainedTokenizerFast", cls="EvilTok"))
+    return d, marker
+
+
+@pytest.mark.parametrize("which", ["model", "tokenizer"])
+def test_model_dir_that_needs_its_own_code_is_refused_without_importing_it(which, tmp_path):
+    """A model.path whose model or tokenizer class exists only as the directory's custom code
+    (auto_map): refused on the driver with a clear ConfigError, the code never imported. Before,
+    the tokenizer case made transformers prompt "run the custom code? [y/N]" on a terminal
+    and `y` ran it; the loaders also pass trust_remote_code=False now (no prompt, no import)."""
+    from transformers import AutoTokenizer
+
+    from engine.errors import ConfigError
+    from engine.model.source import HF_LOAD_KWARGS, check_architecture
+
+    d, marker = _custom_code_dir(tmp_path, which)
+    with pytest.raises(ConfigError, match="needs custom code") as e:
+        check_architecture(str(d))
+    assert ("tokenizer_config.json" if which == "tokenizer" else "config.json") in e.value.message
+    if which == "tokenizer":
+        with pytest.raises(ValueError):  # the loaders' own guard: never imports evil.py, never prompts
+            AutoTokenizer.from_pretrained(str(d), **HF_LOAD_KWARGS)
+    assert not marker.exists()
+
+
+def test_auto_map_beside_a_known_architecture_is_ignored_not_run(tmp_path):
+    """auto_map in a directory transformers can load with its own classes (the common case for
+    hub models that ship optional code): accepted, and the code is never imported."""
+    from engine.model.source import check_architecture
+    from engine.model.tokenizer import HFTokenizer
+
+    d, marker = _custom_code_dir(tmp_path, "tokenizer")
+    t = json.loads((d / "tokenizer_config.json").read_text())
+    t["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (d / "tokenizer_config.json").write_text(json.dumps(t))
+    check_architecture(str(d))
+    assert HFTokenizer(str(d)).vocab_size > 0
+    assert not marker.exists()
+
+
+def test_pickled_weights_that_run_code_are_refused_before_loading(tmp_path):
+    """pytorch_model.bin holding a pickle that calls os.system: refused on the driver by the
+    restricted unpickler (ConfigError naming the file, marker never created); a legacy-format
+    (non-zip) one, which the pre-check leaves to transformers, is refused by its
+    weights_only=True load as a ConfigError, not a traceback from a rank. A plain state_dict
+    .bin passes."""
+    from safetensors.torch import load_file
+
+    from engine.config.schema import ModelConfig
+    from engine.errors import ConfigError
+    from engine.model.build import build_hf_model
+    from engine.model.source import check_architecture
+    from tests.ckpt_tools import RunsCode
+
+    d = save_tiny_model("llama", tmp_path / "m")
+    sd = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+    check_architecture(str(d))  # the control: a real state_dict pickle is plain data
+    marker = tmp_path / "PWNED"
+    torch.save({**sd, "evil": RunsCode(marker)}, d / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="posix.system") as e:
+        check_architecture(str(d))
+    assert str(d / "pytorch_model.bin") in e.value.message
+    torch.save({**sd, "evil": RunsCode(marker)}, d / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    check_architecture(str(d))
+    with pytest.raises(ConfigError, match="posix.system"):
+        build_hf_model(ModelConfig(), str(d), char_tokenizer().vocab_size, 0)
+    assert not marker.exists()
+
+
+def test_every_from_pretrained_in_engine_refuses_remote_code():
+    """Every ``*.from_pretrained(...)`` call in engine/ passes ``**HF_LOAD_KWARGS``
+    (trust_remote_code=False, local files only) -- except GenerationConfig, which reads JSON."""
+    import ast
+
+    bad = []
+    for f in sorted((REPO / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "from_pretrained":
+                owner = getattr(node.func.value, "id", "")
+                ok = any(k.arg is None and getattr(k.value, "id", "") == "HF_LOAD_KWARGS" for k in node.keywords)
+                if not ok and owner != "GenerationConfig":
+                    bad.append(f"{f.relative_to(REPO)}:{node.lineno} {owner}.from_pretrained")
+    assert not bad, bad

@@ -57,10 +57,13 @@ def load_base_model(manifest: dict) -> BaseModel:
     cfg = run_config(manifest.get("config") or {})
     path = base_dir(manifest, cfg)
     if path:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from engine.model.source import HF_LOAD_KWARGS, check_architecture
+
+        check_architecture(path)  # the manifest names it: no custom code, no pickled weights that run code
+        config = AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS)
+        tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOAD_KWARGS)
         try:
-            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+            gen = GenerationConfig.from_pretrained(path, local_files_only=True)  # JSON only, no code
         except OSError:
             gen = GenerationConfig.from_model_config(config)
         source = path

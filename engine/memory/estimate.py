@@ -243,7 +243,9 @@ def _structure_from_dir(path: str) -> ModelStructure:
                           f"directory, or estimate a built-in config: {', '.join(BUILTIN_MODELS)}.",
                           title="no model config")
     try:
-        hf_cfg = AutoConfig.from_pretrained(os.path.dirname(cfg_file), local_files_only=True)
+        from engine.model.source import HF_LOAD_KWARGS
+
+        hf_cfg = AutoConfig.from_pretrained(os.path.dirname(cfg_file), **HF_LOAD_KWARGS)
     except (ValueError, KeyError, OSError) as e:
         with open(cfg_file) as f:
             mt = json.load(f).get("model_type", "?")

@@ -34,8 +34,21 @@ def build_hf_model(cfg: ModelConfig, path: str, vocab_size: int, seed: int,
 
     dtype = getattr(torch, cfg.dtype)
     if path:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     attn_implementation="sdpa")
+        from engine.model.source import HF_LOAD_KWARGS
+
+        import pickle
+
+        from engine.errors import ConfigError
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                         **HF_LOAD_KWARGS)
+        except pickle.UnpicklingError as e:  # weights_only=True refused a global: never run, named here
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(e).__name__)
+            raise ConfigError(f"{path}: its pickled weights need more than tensors to load ({why[:300]}); refused "
+                              f"without running them. Convert weights you trust to safetensors "
+                              f"(model.save_pretrained(dir)).", title="unsafe model") from None
     else:
         hf_cfg = tiny_hf_config(cfg, vocab_size, pad_token_id, eos_token_id)
         hf_cfg._attn_implementation = "sdpa"

@@ -116,8 +116,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, sha256: str) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    from engine.model.source import HF_LOAD_KWARGS
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, **HF_LOAD_KWARGS)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, **HF_LOAD_KWARGS)
     config.name_or_path = MODEL_NAME
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]

@@ -10,6 +10,13 @@ is one ConfigError (exit 2), never a transformers traceback from inside a rank.
 
 Hub ids are never downloaded: ``huggingface_hub.snapshot_download(local_files_only=True)``
 finds the snapshot ``refs/main`` (or the revision after ``@``) points at in ``HF_HUB_CACHE``.
+
+Nothing in a model directory runs code (docs/security.md, "Model directories"): every
+``from_pretrained`` in engine/ passes :data:`HF_LOAD_KWARGS` (``trust_remote_code=False``, so
+an ``auto_map`` naming the directory's own .py files is never imported, and transformers never
+prompts for it), and :func:`check_model_files` refuses, on the driver, a directory whose model
+or tokenizer exists only as custom code, and pickled weights (``pytorch_model*.bin``) that
+the restricted unpickler refuses (transformers itself loads them with ``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ import re
 from pathlib import Path
 
 from engine.errors import ConfigError
+
+# every from_pretrained of a user's model directory: files on disk only, never its custom code
+HF_LOAD_KWARGS = {"local_files_only": True, "trust_remote_code": False}
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")   # what transformers/peft may torch.load from a model directory
 
 # org/name (hub ids allow letters, digits, '-', '_', '.'), optionally @revision
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
@@ -97,6 +108,7 @@ def check_architecture(path: str) -> None:
     """Refuse a directory that is not a causal LM transformers can build, naming what it is and
     what to do. (What a particular engine can train is checked by engine.trainer.setup.)"""
     raw = read_config_json(path)
+    check_model_files(path, raw)
     model_type = raw.get("model_type", "")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -107,3 +119,58 @@ def check_architecture(path: str) -> None:
             f"language model (AutoModelForCausalLM: {known}, ...). rl trains decoder-only causal LMs; check "
             f"the directory, or upgrade transformers if the architecture is newer than it.",
             title="unsupported model")
+
+
+def _custom_code_refusal(path: str, file: str, what: str, entry: str) -> ConfigError:
+    return ConfigError(
+        f"{path}/{file} needs custom code to load its {what} (auto_map: {entry}); rl never runs code from a model "
+        f"directory (trust_remote_code is always off). Use a model whose architecture and tokenizer transformers "
+        f"ships, or, if you trust the code, save the model and tokenizer with a standard class "
+        f"(save_pretrained) into a new directory.", title="model needs custom code")
+
+
+def check_model_files(path: str, raw_config: dict | None = None) -> None:
+    """Refuse a model directory that could only load by running its own code, and pickled
+    weight files that would run code (read through the restricted unpickler, tensors unread).
+    ConfigError (exit 2) naming the file; a directory transformers loads without code passes."""
+    raw = raw_config if raw_config is not None else read_config_json(path)
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+    if isinstance(auto_map, dict) and auto_map:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if raw.get("model_type") not in CONFIG_MAPPING_NAMES:
+            raise _custom_code_refusal(path, "config.json", "model", json.dumps(auto_map)[:200])
+    tok_file = Path(path, "tokenizer_config.json")
+    if tok_file.is_file() and not tok_file.is_symlink() and tok_file.stat().st_size < (64 << 20):
+        try:
+            tok = json.loads(tok_file.read_text())
+        except (OSError, ValueError, RecursionError):
+            tok = None  # the tokenizer loader reports an unreadable file
+        if isinstance(tok, dict) and isinstance(tok.get("auto_map"), (dict, list)) and tok.get("auto_map"):
+            from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+            cls = tok.get("tokenizer_class")
+            known = cls is None or (isinstance(cls, str) and (  # None: the model type's own tokenizer
+                tokenizer_class_from_name(cls) is not None or tokenizer_class_from_name(cls.removesuffix("Fast"))
+                is not None))
+            if not known:
+                raise _custom_code_refusal(path, "tokenizer_config.json", "tokenizer",
+                                           json.dumps(tok["auto_map"])[:200])
+    from engine.errors import CheckpointError
+    from engine.inspect.safe_unpickle import ZIP_MAGIC, read_torch_archive
+
+    for pattern in PICKLED_WEIGHTS:
+        for f in sorted(Path(path).glob(pattern)):
+            if not f.is_file():
+                continue
+            try:
+                with open(f, "rb") as fh:
+                    if fh.read(4) != ZIP_MAGIC:
+                        continue  # legacy format: transformers reads it with weights_only=True (no code)
+                read_torch_archive(f, display=str(f))
+            except OSError:
+                continue  # unreadable: the loader names it
+            except CheckpointError as e:
+                raise ConfigError(f"{e.message} (A model directory's pickled weights are checked before "
+                                  f"anything loads them; convert trusted weights to safetensors.)",
+                                  title="unsafe model") from None

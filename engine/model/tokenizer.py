@@ -71,9 +71,10 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         from engine.errors import ConfigError
+        from engine.model.source import HF_LOAD_KWARGS
 
         try:
-            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.tok = AutoTokenizer.from_pretrained(path, **HF_LOAD_KWARGS)
         except (OSError, ValueError, TypeError) as e:
             raise ConfigError(f"{path} has no usable tokenizer ({str(e).splitlines()[0][:200]}). A model directory "
                               f"needs its tokenizer files (tokenizer.json or the slow tokenizer's vocab): save "

@@ -191,7 +191,7 @@ class VLLMSampler(Sampler):
         kw = dict(model=str(self.export.path), skip_tokenizer_init=True, dtype=self.cfg.model.dtype,
                   seed=self.cfg.trainer.seed, max_model_len=self.max_model_len,
                   logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
-                  enable_prefix_caching=True, disable_log_stats=True)
+                  enable_prefix_caching=True, disable_log_stats=True, trust_remote_code=False)
         if self.rcfg.micro_batch_size:
             kw["max_num_seqs"] = self.rcfg.micro_batch_size
         if self.on_cuda:
@@ -370,7 +370,9 @@ def hf_config_for(cfg: RunConfig, model_path: str, vocab: dict):
     if model_path:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+        from engine.model.source import HF_LOAD_KWARGS
+
+        return AutoConfig.from_pretrained(model_path, **HF_LOAD_KWARGS)
     from engine.model.build import tiny_hf_config
 
     return tiny_hf_config(cfg.model, vocab["size"], vocab["pad"], vocab["eos"])

@@ -27,7 +27,7 @@ def resolve_model_path(cfg: RunConfig) -> str:
 
     path = resolve_preset(cfg.model)
     if path:
-        from engine.model.source import check_architecture
+        from engine.model.source import HF_LOAD_KWARGS, check_architecture
 
         check_architecture(path)
         if cfg.engine.name == "megatron":  # megatron converts only the architectures it maps
@@ -35,7 +35,7 @@ def resolve_model_path(cfg: RunConfig) -> str:
 
             from engine.backends.megatron.model import arch_from_hf_config
 
-            arch_from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))  # raises ConfigError
+            arch_from_hf_config(AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS))  # raises ConfigError
     if cfg.algorithm.router_replay != "off":
         from engine.moe.routers import check_replay_model
 
