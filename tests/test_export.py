@@ -265,3 +265,72 @@ def test_completion_knows_rl_export(rl_bin, workdir):
     assert out[:2] == ["ckpt/step_20", "ckpt/step_10"], out
     dtypes = _run_rl(rl_bin, _bash_protocol("rl export ckpt/ --dtype "), cwd=workdir).stdout.split()
     assert set(dtypes) == {"float32", "bfloat16", "float16"}, dtypes
+
+
+def _fake_run(root: Path) -> Path:
+    """A run directory's shape (run.json, step_2/ with manifest, state/, rng/): enough for
+    --out checks, which run before any file of the checkpoint is read."""
+    step = root / "run" / "step_2"
+    (step / "state").mkdir(parents=True)
+    (step / "rng").mkdir()
+    (step / "state" / "__0_0.distcp").write_bytes(b"shard")
+    (step / "manifest.json").write_text("{}")
+    (root / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    return step
+
+
+def _export_cli(monkeypatch, step: Path, *args: str):
+    """`rl export RUN ARGS` in this process, the checkpoint located without reading it."""
+    from engine.export import locate as locate_mod
+    from engine.export import run as run_mod
+    from tests.cli_utils import cli
+
+    monkeypatch.setattr(run_mod, "locate", lambda p: locate_mod.SourceCheckpoint(step, 2, {"model": {}}))
+    monkeypatch.setattr(run_mod, "_check_shard_size", lambda size: None)
+    return cli("export", str(step.parent), *args)
+
+
+@pytest.mark.parametrize("where", ["run", "step", "inside_state", "new_dir_in_step", "other_step", "ancestor",
+                                   "metrics_file", "fifo", "device", "proc", "under_a_file", "too_long"])
+def test_out_that_would_replace_the_checkpoint_or_a_special_file_is_refused(tmp_path, monkeypatch, where):
+    """--out is never the checkpoint itself, its run directory or any directory above it (with
+    --overwrite these replaced the whole run by the export), nor a path inside a step other than
+    step_N/hf(-adapter), nor a FIFO/device (moved aside, then a hang) or a regular file, nor a place
+    where nothing can be created (/proc: a traceback): exit 2, one paragraph naming the problem,
+    and nothing on disk changes."""
+    from tests.ckpt_tools import tree_state
+
+    step = _fake_run(tmp_path)
+    run = step.parent
+    (tmp_path / "notes.txt").write_text("mine")
+    special = tmp_path / "special"
+    if where == "fifo":
+        os.mkfifo(special)
+    elif where == "device":
+        os.mknod(special, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 3))  # like /dev/null, our own node
+    out, needle = {
+        "run": (run, "holds the checkpoint"), "step": (step, "is the checkpoint being exported"),
+        "inside_state": (step / "state", "inside the checkpoint directory"),
+        "new_dir_in_step": (step / "policy", "inside the checkpoint directory"),
+        "other_step": (run / "step_9", "the checkpoint directory"), "ancestor": (tmp_path, "holds the checkpoint"),
+        "metrics_file": (run / "metrics.jsonl", "is a regular file; it is never replaced"),
+        "fifo": (special, "is a FIFO"), "device": (special, "is a device"),
+        "proc": (Path("/proc/rl-export-test/x"), "cannot be created"),
+        "under_a_file": (tmp_path / "notes.txt" / "sub", "is a regular file, not a directory"),
+        "too_long": (tmp_path / ("a" * 300), "too long"),
+    }[where]
+    before = tree_state(tmp_path)
+    r = _export_cli(monkeypatch, step, "--out", str(out), "--overwrite", "--json")
+    assert r.exit_code == 2, r.output
+    assert r.stdout == "" and "Traceback" not in r.output
+    assert needle in _text(r.stderr), r.stderr
+    assert tree_state(tmp_path) == before
+
+
+def test_out_in_the_steps_export_dir_or_outside_the_run_passes_the_checks(tmp_path):
+    """The default place (step_N/hf, step_N/hf-adapter) and a directory beside the run stay allowed."""
+    from engine.export.staging import check_target
+
+    step = _fake_run(tmp_path)
+    for out in (step / "hf", step / "hf-adapter", tmp_path / "policy", step.parent / "exports" / "policy"):
+        check_target(out, False, step)

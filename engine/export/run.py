@@ -54,7 +54,7 @@ def export_checkpoint(path, out=None, dtype: str | None = None, overwrite: bool 
                         title="not a LoRA checkpoint")
     _check_shard_size(max_shard_size)
     out = Path(out) if out else src.step_dir / EXPORT_DIRS[1 if adapter else 0]  # verification skips these
-    check_target(out, overwrite)
+    check_target(out, overwrite, src.step_dir)
     dtype_name = _dtype(dtype, ((src.config.get("model") or {}).get("dtype")))
     torch_dtype = getattr(torch, dtype_name)
     base = load_base_model(src.manifest)

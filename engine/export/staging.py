@@ -3,6 +3,7 @@ and is renamed into place last. A crash leaves the old directory (or none), neve
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -15,14 +16,61 @@ from engine.checkpoint.layout import fsync_dir, fsync_tree
 from engine.errors import UserError
 
 
-def check_target(out: Path, overwrite: bool) -> None:
-    """Refuse, before anything is written, to replace a non-empty directory (or a file)."""
-    if out.is_file() or out.is_symlink():
-        raise UserError(f"--out {out} is a file. Give a directory path (it is created).", title="output exists")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out} already exists and is not empty. Pass --overwrite to replace it (the old "
-                        f"directory is removed only after the new one is complete), or choose another --out.",
+def check_target(out: Path, overwrite: bool, source_step_dir: Path | None = None) -> None:
+    """Refuse, before anything is written, to replace a non-empty directory (or anything that is
+    not a directory: a file, a FIFO, a device), to write where nothing can be created, and to
+    write over or inside the checkpoint being read (see :func:`check_not_in_checkpoint`)."""
+    from engine.user_paths import check_output_dir, shown
+
+    if source_step_dir is not None:
+        check_not_in_checkpoint(Path(out), Path(source_step_dir))
+    st = check_output_dir(out, "--out")
+    if st is None or overwrite:
+        return
+    try:
+        non_empty = any(Path(out).iterdir())
+    except OSError as e:
+        raise UserError(f"--out {shown(out)} cannot be listed ({e.strerror or e}). Choose another --out.",
+                        title="cannot write there") from None
+    if non_empty:
+        raise UserError(f"--out {shown(out)} already exists and is not empty. Pass --overwrite to replace it (the "
+                        f"old directory is removed only after the new one is complete), or choose another --out.",
                         title="output exists")
+
+
+def check_not_in_checkpoint(out: Path, step_dir: Path) -> None:
+    """--out may not be the checkpoint, a directory holding it (its run directory, `.`, `/`), or
+    a path inside any step of its run other than that step's own export directories (step_N/hf,
+    step_N/hf-adapter, which verification skips): anything else there would replace the
+    checkpoint's files or make verification refuse the step afterwards."""
+    from engine.checkpoint.layout import ASIDE_RE, EXPORT_DIRS, STEP_RE, TMP_STEP_RE
+    from engine.user_paths import shown
+
+    o, s = Path(os.path.realpath(out)), Path(os.path.realpath(step_dir))
+    fix = (f"Give a directory outside the run (e.g. --out {s.parent.parent / (s.parent.name + '-hf')}), or leave "
+           f"--out out for the default {Path(step_dir) / EXPORT_DIRS[0]}.")
+    if o == s or o in s.parents:
+        what = "the checkpoint being exported" if o == s else "a directory that holds the checkpoint being exported"
+        raise UserError(f"--out {shown(out)} is {what} ({step_dir}): writing there would replace it. {fix}",
+                        title="output overlaps the checkpoint")
+    run_root = s.parent if STEP_RE.match(s.name) else None
+    for root in filter(None, (s, run_root)):
+        if root not in o.parents:
+            continue
+        first = o.relative_to(root).parts[0]
+        if root == s:
+            step = s
+        elif STEP_RE.match(first) or TMP_STEP_RE.match(first) or ASIDE_RE.match(first):
+            step = root / first
+        else:
+            continue
+        rel = o.relative_to(step).parts
+        if len(rel) == 1 and rel[0] in EXPORT_DIRS:
+            return  # step_N/hf or step_N/hf-adapter: an export's own place in a step
+        where = f"the checkpoint directory {step}" if not rel else f"inside the checkpoint directory {step}"
+        raise UserError(f"--out {shown(out)} is {where} of this run: only a step's export directories "
+                        f"({', '.join(EXPORT_DIRS)}) may be written there; anything else would replace checkpoint "
+                        f"files or make `rl resume` refuse the step. {fix}", title="output overlaps the checkpoint")
 
 
 def _umask_permissions(root: Path) -> None:
@@ -40,8 +88,15 @@ def _umask_permissions(root: Path) -> None:
 def staged_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out``."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        from engine.user_paths import os_problem, shown
+
+        raise UserError(f"--out {shown(out)} cannot be created: {shown(e.filename or out.parent)} "
+                        f"{os_problem(e) if e.errno != errno.ENOENT else 'cannot be created there'}. Choose a directory you "
+                        "can write to.", title="cannot write there") from None
     try:
         yield tmp
         _umask_permissions(tmp)

@@ -1,0 +1,174 @@
+"""Checks on the paths a user names on the command line, made before anything is read or written.
+
+Every way a path can fail (it does not exist, loops through symbolic links, is too long, cannot
+be read, names a file where a directory is needed, is a FIFO or a device that a read would wait
+on or never finish) becomes a :class:`UserError` naming the path, the problem and the fix, never
+an ``OSError`` traceback. Pure standard library: any layer may use it.
+
+- :func:`stat_path`: ``os.stat`` of an input path, or None when nothing is there.
+- :func:`file_kind`: "a FIFO (named pipe)", "a device", ... for a stat result.
+- :func:`require_regular_file`: an input file a reader is about to open.
+- :func:`check_output_dir` / :func:`check_output_file`: where a command is about to write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Optional
+
+from engine.errors import UserError
+
+_PROBLEMS = {
+    errno.ELOOP: "loops through symbolic links (a link that points, directly or not, back at itself)",
+    errno.ENAMETOOLONG: "is too long for the file system (a path or one of its names is over the limit)",
+    errno.EACCES: "cannot be accessed (permission denied)",
+    errno.EPERM: "cannot be accessed (operation not permitted)",
+    errno.ENOTDIR: "goes through a file as if it were a directory",
+    errno.EIO: "cannot be read (the device reported an I/O error)",
+    errno.EROFS: "is on a read-only file system",
+    errno.ENOSPC: "is on a full disk",
+}
+
+
+def os_problem(e: OSError) -> str:
+    """What an OSError from a path says, as the rest of a sentence starting with the path."""
+    return _PROBLEMS.get(e.errno or -1, f"cannot be used ({e.strerror or e})")
+
+
+def shown(path) -> str:
+    """A path for a message: control characters (a newline in a name) escaped, very long ones cut."""
+    s = str(path)
+    if any(ord(c) < 32 or ord(c) == 127 for c in s):
+        s = repr(s)[1:-1]
+    return s if len(s) <= 300 else f"{s[:140]}...{s[-140:]} ({len(s)} characters)"
+
+
+def file_kind(st: os.stat_result) -> str:
+    m = st.st_mode
+    return ("a directory" if stat.S_ISDIR(m) else "a regular file" if stat.S_ISREG(m) else
+            "a FIFO (named pipe)" if stat.S_ISFIFO(m) else
+            "a device" if stat.S_ISCHR(m) or stat.S_ISBLK(m) else
+            "a socket" if stat.S_ISSOCK(m) else "not a regular file")
+
+
+def stat_path(path, what: str, *, error=UserError, title: str = "bad path") -> Optional[os.stat_result]:
+    """``os.stat(path)``; None when nothing is there (ENOENT). Any other failure (a symlink loop,
+    a name too long, permission denied, a file used as a directory) is ``error`` naming
+    ``what`` (e.g. "the checkpoint path /x") and the problem."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            return None  # "a/file.txt/b": nothing is there, as for a missing path
+        raise error(f"{what} {os_problem(e)}. Check the path and pass an existing, readable one.",
+                    title=title) from None
+    except ValueError:  # an embedded NUL byte
+        raise error(f"{what} contains a NUL byte; no file can have that name.", title=title) from None
+
+
+def require_regular_file(path, what: str, *, error=UserError, title: str = "not a regular file",
+                         fix: str = "") -> os.stat_result:
+    """Refuse, before it is opened, anything but an existing regular file: a FIFO would block a
+    read forever and a device (/dev/zero) never ends."""
+    st = stat_path(path, what, error=error, title=title)
+    if st is None:
+        raise error(f"{what} does not exist.{' ' + fix if fix else ''}", title=title)
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} is {file_kind(st)}, not a regular file; it is not read.{' ' + fix if fix else ''}",
+                    title=title)
+    return st
+
+
+def _nearest_existing(path: Path, what: str) -> tuple[Path, os.stat_result]:
+    p = Path(os.path.abspath(path))
+    while True:
+        st = stat_path(p, f"{what} ({shown(path)})", title="cannot write there")
+        if st is not None:
+            return p, st
+        if p.parent == p:
+            raise UserError(f"{what} {shown(path)}: no part of the path exists.", title="cannot write there")
+        p = p.parent
+
+
+def check_writable_parent(path, what: str) -> None:
+    """Where ``path`` would be created, the nearest directory that exists must be a directory
+    this process may write into (a file in the way, /proc, a read-only mount are refused)."""
+    anc, st = _nearest_existing(Path(path).parent, what)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{what} {shown(path)} cannot be created: {shown(anc)} is {file_kind(st)}, not a "
+                        "directory. Choose a path under a directory.", title="cannot write there")
+    try:
+        vfs = os.statvfs(anc)
+        read_only = bool(vfs.f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only or not os.access(anc, os.W_OK | os.X_OK) or _virtual_fs(anc):
+        why = "is on a read-only file system" if read_only else "cannot be written to"
+        raise UserError(f"{what} {shown(path)} cannot be created: {shown(anc)} {why}. Choose a directory you "
+                        "can write to.", title="cannot write there")
+
+
+def _virtual_fs(p: Path) -> bool:
+    """/proc and /sys: writable-looking to root, yet nothing can be created in them."""
+    parts = Path(os.path.realpath(p)).parts
+    return len(parts) > 1 and parts[1] in ("proc", "sys")
+
+
+def check_output_dir(out, what: str = "--out") -> Optional[os.stat_result]:
+    """An output directory about to be written: what is there already must be a directory
+    (a FIFO, a device or a regular file in the way is refused, never replaced), and where it is
+    missing it must be creatable. Returns its stat (None when it does not exist yet)."""
+    try:
+        lst = os.lstat(out)
+    except FileNotFoundError:
+        lst = None
+    except OSError as e:
+        if e.errno != errno.ENOTDIR:
+            raise UserError(f"{what} {shown(out)} {os_problem(e)}. Choose another directory.",
+                            title="cannot write there") from None
+        lst = None
+    if lst is not None and stat.S_ISLNK(lst.st_mode):
+        raise UserError(f"{what} {shown(out)} is a symbolic link; it is not replaced. Give the directory it "
+                        "points to, or another path.", title="output exists")
+    if lst is not None and not stat.S_ISDIR(lst.st_mode):
+        raise UserError(f"{what} {shown(out)} is {file_kind(lst)}; it is never replaced. Give a directory path "
+                        "(it is created).", title="output exists")
+    check_writable_parent(out, what)  # written as a sibling first, then renamed into place
+    return lst
+
+
+def check_output_file(out, what: str, *, magic: bytes | None = None, kind: str = "file") -> None:
+    """An output file about to be (re)written: an existing one must be a regular file that starts
+    with ``magic`` (an earlier output of the same kind), so a typo never replaces a user's other
+    files (metrics.jsonl, a config) or a device; a missing one must be creatable."""
+    try:
+        lst = os.lstat(out)
+    except FileNotFoundError:
+        lst = None
+    except OSError as e:
+        if e.errno != errno.ENOTDIR:
+            raise UserError(f"{what} {shown(out)} {os_problem(e)}. Choose another path.",
+                            title="cannot write there") from None
+        lst = None
+    if lst is not None:
+        if stat.S_ISLNK(lst.st_mode):
+            raise UserError(f"{what} {shown(out)} is a symbolic link; it is not replaced. Give another path.",
+                            title="output exists")
+        if not stat.S_ISREG(lst.st_mode):
+            raise UserError(f"{what} {shown(out)} is {file_kind(lst)}; it is never replaced. Give a file path.",
+                            title="output exists")
+        if magic is not None:
+            try:
+                with open(out, "rb") as f:
+                    head = f.read(len(magic))
+            except OSError as e:
+                raise UserError(f"{what} {shown(out)} {os_problem(e)}.", title="cannot write there") from None
+            if head != magic and lst.st_size > 0:
+                raise UserError(f"{what} {shown(out)} already exists and is not a {kind}; it is not replaced. "
+                                f"Give a new file name (or remove that file first).", title="output exists")
+    check_writable_parent(out, what)
