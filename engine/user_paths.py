@@ -21,7 +21,13 @@ from typing import Optional
 
 from engine.errors import UserError
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
 _PROBLEMS = {
+    errno.ENOENT: "does not exist",
+    errno.EISDIR: "is a directory where a file was expected",
+    errno.EEXIST: "already exists",
+    errno.EDQUOT: "is over the disk quota",
     errno.ELOOP: "loops through symbolic links (a link that points, directly or not, back at itself)",
     errno.ENAMETOOLONG: "is too long for the file system (a path or one of its names is over the limit)",
     errno.EACCES: "cannot be accessed (permission denied)",

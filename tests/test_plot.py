@@ -134,3 +134,50 @@ def test_unknown_metric_and_missing_run_are_user_errors(runs, tmp_path):
     assert r.returncode == 2 and "does not exist" in flat(r.stderr)
     r = rl("plot", str(a), "--list", "--json")
     assert "train/grad_norm" in json.loads(r.stdout)["metrics"][str(a)]
+
+
+@pytest.mark.parametrize("target", ["metrics", "config", "fifo", "device", "directory", "proc"])
+def test_png_never_replaces_a_file_that_is_not_a_png(runs, tmp_path, target):
+    """--png over the run's own metrics.jsonl (or any file that is not a PNG) replaced it with the
+    chart, and --png /dev/null replaced the device node with a regular file: an existing target
+    must be an earlier PNG; a FIFO, a device, a directory or an unwritable place (/proc) is
+    refused before anything is read, exit 2, stdout empty under --json, nothing changed."""
+    import os
+    import stat
+
+    from tests.cli_utils import cli
+    from tests.ckpt_tools import tree_state
+
+    a, _ = runs
+    (tmp_path / "config.yaml").write_text("model: x\n")
+    special = tmp_path / "special"
+    if target == "fifo":
+        os.mkfifo(special)
+    elif target == "device":
+        os.mknod(special, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    out, needle = {"metrics": (a / "metrics.jsonl", "is not a PNG image"),
+                   "config": (tmp_path / "config.yaml", "is not a PNG image"),
+                   "fifo": (special, "is a FIFO"), "device": (special, "is a device"),
+                   "directory": (a, "is a directory"), "proc": (Path("/proc/rl-plot-test.png"), "cannot be created")
+                   }[target]
+    before = tree_state(tmp_path)
+    r = cli("plot", str(a), "--png", str(out), "--json")
+    assert r.exit_code == 2 and r.stdout == "" and "Traceback" not in r.output, r.output
+    assert needle in flat(r.stderr), r.stderr
+    assert tree_state(tmp_path) == before
+
+
+def test_png_replaces_an_earlier_png_with_ordinary_permissions(runs, tmp_path):
+    """Rewriting the same chart works, and the file gets the umask's permissions, not mkstemp's 0600."""
+    import os
+
+    from tests.cli_utils import cli
+
+    a, _ = runs
+    out = tmp_path / "reward.png"
+    for _ in range(2):
+        r = cli("plot", str(a), "--png", str(out), "--json")
+        assert r.exit_code == 0, r.output
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.read_bytes()[:4] == b"\x89PNG" and (out.stat().st_mode & 0o777) == (0o666 & ~mask)

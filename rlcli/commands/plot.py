@@ -63,6 +63,10 @@ def register(app: typer.Typer) -> None:
                 for r, names in found.items():
                     console.print(f"[bold]{r}[/]: {', '.join(names)}")
             return
+        if png:  # before any reading: a typo must never replace a user's file (metrics.jsonl) or a device
+            from engine.user_paths import PNG_MAGIC, check_output_file
+
+            call_engine(check_output_file, Path(png), "--png", magic=PNG_MAGIC, kind="PNG image")
         series = [call_engine(load_series, Path(r), metric) for r in runs]
         name = series[0].metric
         written = None

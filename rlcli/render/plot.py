@@ -65,6 +65,9 @@ def png_chart(series: list, title: str, out: Path) -> Path:
             fig.savefig(f, format="png", dpi=120)
             f.flush()
             os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp's 0600 -> what a plain open would give
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
