@@ -397,6 +397,38 @@ def test_unknown_layout_lists_what_was_found(tmp_path):
     assert_clean_exit_2(run_cli(str(tmp_path / "nope")), "does not exist")
 
 
+def test_paths_the_os_refuses_are_clear_errors(tmp_path):
+    """A symlink loop (was: "does not exist"), a name too long for the file system and a file the
+    OS will not open (/proc/1/mem: both were tracebacks), as PATH or as --diff OTHER: exit 2, one
+    paragraph naming the problem; a newline in a name is shown escaped, not breaking the paragraph."""
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    assert_clean_exit_2(run_cli(str(tmp_path / "loop_a")), "loops through symbolic links")
+    assert_clean_exit_2(run_cli(str(tmp_path), "--diff", str(tmp_path / "loop_a")), "loops through symbolic links")
+    assert_clean_exit_2(run_cli(str(tmp_path / ("a" * 5000))), "too long")
+    res = run_cli(str(tmp_path / "two\nlines"))
+    assert_clean_exit_2(res, "does not exist", "two\\nlines")
+    try:
+        open("/proc/1/mem", "rb").close()
+        readable = True
+    except OSError:
+        readable = False
+    if not readable:
+        assert_clean_exit_2(run_cli("/proc/1/mem"), "/proc/1/mem", "permission denied")
+
+
+def test_an_unforeseen_os_error_is_a_clean_exit_not_a_traceback(monkeypatch, tmp_path):
+    """The last net in rlcli.output.call_engine: an OSError no check foresaw (a file removed or
+    made unreadable mid-read) is one paragraph with the path and the reason, exit 2."""
+    import engine.inspect as inspect_mod
+
+    def boom(path, verify=False):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "state" / ".metadata"))
+
+    monkeypatch.setattr(inspect_mod, "inspect_path", boom)
+    assert_clean_exit_2(run_cli(str(tmp_path)), "state/.metadata", "permission denied")
+
+
 # ----------------------------------------------------------------------------------------
 # --keys, --diff, --json
 

@@ -44,8 +44,11 @@ READERS: dict[str, tuple[Callable, str]] = {
 
 def detect(path: Path) -> str:
     """The format key of ``path``; CheckpointError if missing or unrecognised."""
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist. Pass a checkpoint directory or file "
+    from engine.user_paths import shown, stat_path
+
+    if stat_path(path, f"the checkpoint path {shown(path)}", error=CheckpointError,
+                 title="unreadable checkpoint") is None:
+        raise CheckpointError(f"{shown(path)} does not exist. Pass a checkpoint directory or file "
                               "(e.g. ckpt/ or ckpt/step_40).", title="no such checkpoint")
     if path.is_file():
         return _detect_file(path)
@@ -82,8 +85,17 @@ def _detect_file(path: Path) -> str:
     if path.name.endswith(".safetensors.index.json"):
         raise CheckpointError(f"{path} is a safetensors index; pass its directory "
                               f"({path.parent}) to inspect all shards.", title="pass the directory")
-    with open(path, "rb") as f:
-        head = f.read(8)
+    from engine.inspect.files import require_regular_file
+
+    require_regular_file(path, str(path))
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        from engine.user_paths import os_problem
+
+        raise CheckpointError(f"{path} {os_problem(e)}. Pass a checkpoint file you can read.",
+                              title="unreadable checkpoint") from None
     if head[:4] == ZIP_MAGIC or path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
         return "torch-save"
     if path.name == ".metadata":
