@@ -217,3 +217,30 @@ def test_hash_algorithm_follows_whether_xxhash_imports(tmp_path, monkeypatch):
     assert digest.default_algorithm() == digest.BLAKE2B
     with pytest.raises(CheckpointError, match=r"pip install xxhash"):
         digest.hash_file(f, digest.XXH3)
+
+
+# ---- JSON nested past the parser's recursion limit ------------------------------------------
+def test_deeply_nested_json_in_run_files_is_malformed_not_a_recursion_error(tmp_path):
+    """A metrics.jsonl row nested 200k levels deep (a few hundred KB) used to raise
+    RecursionError out of `rl plot` (traceback, exit 1): every engine reader of run/model
+    directory JSON goes through engine.json_safe.loads, which turns it into the ValueError
+    those readers already handle (the row is skipped like a half-written one)."""
+    import ast
+
+    from engine import json_safe
+    from engine.tracking.series import run_metrics
+
+    deep = "[" * 200_000 + "]" * 200_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_safe.loads(deep)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/reward": 0.5}) + "\n" +
+                                       '{"step": 2, "x": ' + deep + "}\n")
+    assert set(run_metrics(run)) == {1}
+    repo = Path(__file__).resolve().parents[1]
+    raw = [f"{f.relative_to(repo)}:{n.lineno}" for f in sorted((repo / "engine").rglob("*.py"))
+           if f.name != "json_safe.py" for n in ast.walk(ast.parse(f.read_text()))
+           if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("loads", "load")
+           and getattr(n.func.value, "id", "") == "json"]
+    assert not raw, f"use engine.json_safe.loads: {raw}"

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+
+from engine import json_safe
 import os
 import threading
 from contextlib import contextmanager
@@ -96,7 +98,7 @@ def manifest_digest(manifest: dict) -> str:
 
 def seal_manifest(manifest: dict) -> dict:
     """``manifest`` plus its own digest (the JSON round trip makes the digest match what is read back)."""
-    plain = json.loads(json.dumps(manifest, default=str))
+    plain = json_safe.loads(json.dumps(manifest, default=str))
     plain.pop(MANIFEST_DIGEST_KEY, None)
     plain[MANIFEST_DIGEST_KEY] = manifest_digest(plain)
     return plain

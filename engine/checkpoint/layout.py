@@ -17,6 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import json_safe
+
 STEP_PREFIX = "step_"
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-step_"
@@ -52,7 +54,7 @@ class StepDir:
         return (self.path / MANIFEST).is_file()
 
     def manifest(self) -> dict:
-        return json.loads((self.path / MANIFEST).read_text())
+        return json_safe.loads((self.path / MANIFEST).read_text())
 
 
 def step_dir_name(step: int) -> str:

@@ -3,9 +3,9 @@ resumed step are dropped, and so is a row a kill cut short."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from engine import json_safe
 from engine.checkpoint.digest import write_bytes_atomic
 
 MEMORY_FILE = "memory.jsonl"
@@ -28,7 +28,7 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
 def row_step(line: str) -> int | None:
     """A row's step (0 when it has none); None when the line is not a JSON object."""
     try:
-        row = json.loads(line)
+        row = json_safe.loads(line)
     except (ValueError, RecursionError):
         return None
     if not isinstance(row, dict):

@@ -9,11 +9,11 @@ contents); a dataset from the HF cache uses the `datasets` fingerprints of its s
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Optional
 
+from engine import json_safe
 from engine.checkpoint.layout import write_json_atomic
 
 RECORD = "dataset.json"
@@ -66,7 +66,7 @@ def write_record(run_dir: Path, info: dict) -> None:
 
 def read_record(run_dir: Path) -> Optional[dict]:
     try:
-        return json.loads((Path(run_dir) / RECORD).read_text())
+        return json_safe.loads((Path(run_dir) / RECORD).read_text())
     except (OSError, ValueError):
         return None
 

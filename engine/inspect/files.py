@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
+from engine import json_safe
 from engine.errors import CheckpointError
 from engine.inspect.report import FileInfo
 
@@ -57,7 +58,7 @@ def read_json(path: Path, *, what: str) -> Any:
         raise CheckpointError(f"{what} ({path}) is {path.stat().st_size:,} bytes; a checkpoint's JSON files are "
                               "kilobytes. Refused unread.", title="corrupt checkpoint")
     try:
-        return json.loads(path.read_text())
+        return json_safe.loads(path.read_text())
     except OSError as e:
         raise CheckpointError(f"cannot read {what} ({path}): {e.strerror}.") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from engine import json_safe
 from engine.errors import CheckpointError
 from engine.inspect.dtypes import SAFETENSORS_DTYPES
 from engine.inspect.files import human_bytes, list_files, read_json
@@ -45,7 +46,7 @@ def read_header(path: Path, *, display: Optional[str] = None) -> tuple[dict, dic
                 f"the file has {size:,}.", title="corrupt checkpoint")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json_safe.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{shown}: the safetensors header is not valid JSON ({e}); the "
                               "file is corrupt.", title="corrupt checkpoint") from None

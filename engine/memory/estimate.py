@@ -44,6 +44,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from engine import json_safe
 from engine.config.schema import RunConfig
 from engine.errors import ConfigError
 from engine.memory.report import (CATEGORIES, OFFLOAD_MODES, Fix, MemoryEstimate, PhaseEstimate,
@@ -248,7 +249,7 @@ def _structure_from_dir(path: str) -> ModelStructure:
         hf_cfg = AutoConfig.from_pretrained(os.path.dirname(cfg_file), **HF_LOAD_KWARGS)
     except (ValueError, KeyError, OSError) as e:
         with open(cfg_file) as f:
-            mt = json.load(f).get("model_type", "?")
+            mt = json_safe.loads(f.read()).get("model_type", "?")
         raise ConfigError(f"transformers cannot read {cfg_file} (model_type={mt!r}): {e}. The estimate "
                           "supports architectures transformers ships (no remote code).",
                           title="unsupported model config") from e

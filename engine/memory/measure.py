@@ -22,12 +22,12 @@ worst-case peak as well when it differs.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from engine import json_safe
 from engine.errors import ConfigError, UserError
 from engine.memory.report import RECORDS_FILE, MemoryReport, PhaseRecord, build_report
 
@@ -99,7 +99,7 @@ def _load_records(path: Path) -> list[PhaseRecord]:
             if not line:
                 continue
             try:
-                d = json.loads(line)
+                d = json_safe.loads(line)
                 if not isinstance(d, dict) or "phase" not in d:
                     raise ValueError("not a phase record")
                 out.append(PhaseRecord.from_json(d))
@@ -137,7 +137,7 @@ def _metrics_rows(run_dir: Path) -> list[dict]:
     if f.is_file():
         for line in f.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                rows.append(json_safe.loads(line))
             except ValueError:
                 continue
     return rows

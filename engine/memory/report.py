@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
+from engine import json_safe
+
 # Categories of bytes, in display order. Every estimate and measurement uses these keys.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "activations_host", "logits", "fp8_workspaces",
               "kv_cache")
@@ -210,7 +212,7 @@ def load_records(path) -> list[PhaseRecord]:
         for line in f:
             line = line.strip()
             if line:
-                out.append(PhaseRecord.from_json(json.loads(line)))
+                out.append(PhaseRecord.from_json(json_safe.loads(line)))
     return out
 
 

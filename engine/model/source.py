@@ -26,6 +26,7 @@ import os
 import re
 from pathlib import Path
 
+from engine import json_safe
 from engine.errors import ConfigError
 
 # every from_pretrained of a user's model directory: files on disk only, never its custom code
@@ -98,7 +99,7 @@ def resolve_path_or_hub_id(path: str) -> str:
 
 def read_config_json(path: str) -> dict:
     try:
-        return json.loads(Path(path, "config.json").read_text())
+        return json_safe.loads(Path(path, "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}/config.json cannot be read as JSON ({e}). Re-save the model with "
                           f"save_pretrained.", title="not a model directory") from None
@@ -143,7 +144,7 @@ def check_model_files(path: str, raw_config: dict | None = None) -> None:
     tok_file = Path(path, "tokenizer_config.json")
     if tok_file.is_file() and not tok_file.is_symlink() and tok_file.stat().st_size < (64 << 20):
         try:
-            tok = json.loads(tok_file.read_text())
+            tok = json_safe.loads(tok_file.read_text())
         except (OSError, ValueError, RecursionError):
             tok = None  # the tokenizer loader reports an unreadable file
         if isinstance(tok, dict) and isinstance(tok.get("auto_map"), (dict, list)) and tok.get("auto_map"):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import json_safe
+
 # router class -> the attribute holding its expert count
 ROUTER_CLASSES: dict[str, str] = {
     "MixtralTopKRouter": "num_experts",
@@ -77,7 +79,6 @@ REPLAY_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_next"
 def check_replay_model(model_path: str, mode: str) -> None:
     """Refuse ``algorithm.router_replay=record|replay`` for a model without supported routers
     (reads config.json only; raises ConfigError)."""
-    import json
     from pathlib import Path
 
     from engine.errors import ConfigError
@@ -88,7 +89,7 @@ def check_replay_model(model_path: str, mode: str) -> None:
                           f"model is dense (no experts to route). Set model.path to a local MoE model directory "
                           f"({', '.join(REPLAY_MODEL_TYPES)}), or {fix}.", title="invalid config")
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = json_safe.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"`algorithm.router_replay={mode}`: cannot read {model_path}/config.json ({e}); point "
                           f"model.path at a Hugging Face model directory, or {fix}.", title="invalid model") from None

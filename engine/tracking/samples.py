@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine import json_safe
+
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -37,4 +39,4 @@ def read_samples(run_dir: Path) -> list[dict]:
     p = Path(run_dir) / SAMPLES_FILE
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [json_safe.loads(line) for line in p.read_text().splitlines() if line.strip()]

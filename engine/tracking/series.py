@@ -7,10 +7,10 @@ than once (rows of an abandoned segment before a resume), its last row wins.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine import json_safe
 from engine.checkpoint.layout import STEP_RE
 from engine.errors import UserError
 from engine.tracking.names import resolve_metric, step_metrics, validation_metrics
@@ -46,7 +46,7 @@ def _rows(path: Path) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            row = json_safe.loads(line)
         except ValueError:
             continue  # a half-written last line of a killed run
         if isinstance(row, dict) and isinstance(row.get("step"), int):

@@ -3,9 +3,9 @@ wandb and MLflow runs. Written atomically when a logger first creates its run.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from engine import json_safe
 from engine.checkpoint.layout import write_json_atomic
 
 STATE_FILE = "tracking.json"
@@ -16,7 +16,7 @@ def read_state(run_dir: Path) -> dict:
     if not p.exists():
         return {}
     try:
-        return json.loads(p.read_text())
+        return json_safe.loads(p.read_text())
     except (OSError, ValueError):
         return {}
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine import json_safe
 from engine.errors import UserError
 
 LOCK_FILE = "run.lock"
@@ -64,7 +65,7 @@ class RunLock:
     def holder(run_dir: Path) -> dict | None:
         """Who the lock file says holds (or last held) ``run_dir``; None without a readable file."""
         try:
-            data = json.loads((Path(run_dir) / LOCK_FILE).read_text() or "null")
+            data = json_safe.loads((Path(run_dir) / LOCK_FILE).read_text() or "null")
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None

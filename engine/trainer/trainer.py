@@ -11,12 +11,12 @@ ranks start (engine/trainer/worker_group.py).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.checkpoint.run_files import truncate_jsonl
@@ -350,7 +350,7 @@ def last_logged_step(run_dir: Path) -> int:
     if p.exists():
         for line in p.read_text().splitlines():
             try:
-                last = max(last, int(json.loads(line).get("step", -1)))
+                last = max(last, int(json_safe.loads(line).get("step", -1)))
             except (ValueError, AttributeError):
                 continue
     return last
@@ -433,7 +433,7 @@ def _last_checkpoint_hint(run_dir: Path) -> str:
 def _rows_up_to(path: Path, step: int) -> list[dict]:
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json_safe.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("step", 0) <= step]
 
 
