@@ -141,6 +141,32 @@ def test_missing_path_and_uncached_name(tmp_path, rewards_module, monkeypatch):
         make_dataset_task(task_cfg("nobody/nothing", rewards_module), seed=0)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "symlink_loop", "too_long"])
+def test_special_task_paths_are_named_not_read(tmp_path, rewards_module, kind):
+    """task.path as a FIFO (a read would wait forever), a device (/dev/zero), a symlink loop (all
+    three were "does not exist") or a name too long (a traceback blamed on model=tiny): a
+    ConfigError saying what the path is, raised before anything opens it."""
+    import os
+    import time
+
+    p = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "symlink_loop":
+        (tmp_path / "other").symlink_to(p)
+        p.symlink_to(tmp_path / "other")
+    elif kind == "too_long":
+        p = tmp_path / ("d" * 5000)
+    else:
+        p = "/dev/zero"
+    needle = {"fifo": "is a FIFO", "device": "is a device", "symlink_loop": "loops through symbolic links",
+              "too_long": "too long"}[kind]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=needle):
+        make_dataset_task(task_cfg(p, rewards_module), seed=0)
+    assert time.monotonic() - t0 < 5
+
+
 def test_fingerprint_refuses_changed_dataset(tmp_path, rewards_module):
     """The run dir records the data's fingerprint; a changed file is refused on resume unless
     task.allow_dataset_change=true."""

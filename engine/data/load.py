@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def cache_dirs() -> list[str]:
 def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", split: str = "train") -> OpenedDataset:
     datasets = _datasets()
     p = Path(os.path.expanduser(path))
+    from engine.user_paths import file_kind, shown, stat_path
+
+    st = stat_path(p, f"`task.path={shown(path)}`", error=ConfigError, title="invalid config value")
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a FIFO, /dev/zero: never read
+        raise ConfigError(f"`task.path={path}` is {file_kind(st)}, not a data file; it is not read. Give a "
+                          "Parquet/JSONL/JSON/Arrow file, a save_to_disk directory, or a dataset name in the local "
+                          "Hugging Face cache.", title="invalid config value")
     if p.is_file():
         builder = BUILDERS.get(p.suffix.lower()) or TASK_BUILDERS.get(task_name)
         if builder is None:
