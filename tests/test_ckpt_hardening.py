@@ -244,3 +244,38 @@ def test_deeply_nested_json_in_run_files_is_malformed_not_a_recursion_error(tmp_
            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("loads", "load")
            and getattr(n.func.value, "id", "") == "json"]
     assert not raw, f"use engine.json_safe.loads: {raw}"
+
+
+# ---- YAML alias bombs in a run directory's config.yaml ---------------------------------------
+def yaml_bomb() -> str:
+    """Ten lines whose aliases expand to 9^10 (3.5 billion) nodes."""
+    return "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]\n" for i in range(9))
+
+
+def test_yaml_alias_bomb_in_config_yaml_is_refused_in_bounded_time(tmp_path):
+    """A config.yaml holding a YAML bomb made a real `rl resume` hang for ever (RunDir read it
+    with OmegaConf, which expands every alias). engine.yaml_safe counts nodes as they expand
+    and refuses past 1M; every reader of a run directory's YAML (resume's env references,
+    inspect-ckpt, mem-report) goes through it. A normal config still loads."""
+    import time
+
+    from engine import yaml_safe
+    from engine.inspect.files import read_yaml
+    from engine.trainer.run_dir import RunDir
+
+    (tmp_path / "config.yaml").write_text(yaml_bomb())
+    t0 = time.perf_counter()
+    with pytest.raises(yaml_safe.YamlTooLarge, match="YAML bomb"):
+        yaml_safe.check_bounded(yaml_bomb(), "config.yaml")
+    assert read_yaml(tmp_path / "config.yaml") is None
+    rd = RunDir(tmp_path)
+    rd.load_env_refs([])
+    assert rd.env_refs == {}
+    assert time.perf_counter() - t0 < 20  # each refusal stops after 1M nodes (~1 s)
+    with pytest.raises(yaml_safe.YamlTooLarge, match="nest"):
+        yaml_safe.check_bounded("a: " + "[" * 5000 + "]" * 5000)
+    (tmp_path / "config.yaml").write_text("model:\n  path: ${oc.env:MODEL_DIR}\ntrainer: {seed: 1}\n")
+    assert read_yaml(tmp_path / "config.yaml") == {"model": {"path": "${oc.env:MODEL_DIR}"}, "trainer": {"seed": 1}}
+    rd.load_env_refs([])
+    assert "model.path" in rd.env_refs

@@ -71,9 +71,9 @@ def read_json(path: Path, *, what: str) -> Any:
 def read_yaml(path: Path) -> Optional[Any]:
     """Parse a YAML side file (config.yaml); None if unreadable (it is informational)."""
     try:
-        import yaml
+        from engine import yaml_safe
 
-        return yaml.safe_load(path.read_text())
+        return yaml_safe.safe_load(path.read_text(), str(path))  # bounded: no alias bomb
     except Exception:
         return None
 

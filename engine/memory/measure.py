@@ -120,11 +120,10 @@ def _read_run_config(run_dir: Path):
     if not f.is_file():
         return None, f"{run_dir} has no config.yaml, so there is no estimate to compare with"
     try:
-        import yaml
-
+        from engine import yaml_safe
         from engine.config.load import config_from_dict
 
-        return config_from_dict(yaml.safe_load(f.read_text())), ""
+        return config_from_dict(yaml_safe.safe_load(f.read_text(), str(f))), ""
     except UserError as e:
         return None, f"config.yaml could not be rebuilt ({e.message}); no estimate"
     except Exception as e:  # noqa: BLE001 - unreadable YAML: report the measurements anyway

@@ -37,8 +37,27 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         self.env_refs: dict = {}  # key -> `${oc.env:...}` text, written instead of the resolved value
 
+    def checkpoint_holding_it(self) -> Path | None:
+        """The saved checkpoint (a step_N, or an unfinished .tmp-step_N, of a run) that this path
+        is or lies inside, if any: a new run there would add files to that checkpoint."""
+        from engine.checkpoint.layout import MANIFEST, RUN_FILE, STEP_RE, TMP_STEP_RE
+
+        p = Path(os.path.abspath(self.path))
+        for d in (p, *p.parents):
+            if (STEP_RE.match(d.name) or TMP_STEP_RE.match(d.name)) and \
+                    ((d / MANIFEST).exists() or (d.parent / RUN_FILE).exists()):
+                return d
+        return None
+
     def existing_run_problem(self, overwrite: bool) -> tuple[str, str]:
         """(why a new run cannot start here, or ""; a note on what starting here will do, or "")."""
+        inside = self.checkpoint_holding_it()
+        if inside is not None:  # even with overwrite: the checkpoint is another run's saved state
+            return (f"checkpoint.dir={self.path} is {'' if Path(os.path.abspath(self.path)) == inside else 'inside '}"
+                    f"the checkpoint {inside} of the run in {inside.parent}/: a new run there would add files to a "
+                    f"saved checkpoint (and `rl resume` would then refuse it). Choose a directory outside it, e.g. "
+                    f"checkpoint.dir={inside.parent.parent / 'new_run'}, or continue that run with "
+                    f"`rl resume {inside.parent}`."), ""
         if not self.path.is_dir():
             return "", ""
         steps = list_steps(self.path)
@@ -107,11 +126,14 @@ class RunDir:
         overrides read from the environment."""
         from omegaconf import OmegaConf
 
+        from engine import yaml_safe
         from engine.config.interpolation import env_references, override_env_references
 
         refs: dict = {}
         try:
-            saved = OmegaConf.to_container(OmegaConf.load(self.path / "config.yaml"), resolve=False)
+            text = (self.path / "config.yaml").read_text()
+            yaml_safe.check_bounded(text, str(self.path / "config.yaml"))  # an alias bomb hung resume
+            saved = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
             refs = env_references(saved) if isinstance(saved, dict) else {}
         except Exception:  # no or unreadable config.yaml: the manifest's config is what resume used
             refs = {}
