@@ -194,6 +194,36 @@ def test_unusable_checkpoint_dir_is_exit_2(where, needle, tmp_path):
     assert f.read_text() == "x" and not Path("/proc/rl-test-x").exists()
 
 
+@pytest.mark.parametrize("where, needle", [
+    ("RUN/step_2", "is the checkpoint"),
+    ("RUN/step_2/nested", "is inside the checkpoint"),
+    ("RUN/.tmp-step_3", "is the checkpoint"),
+    ("LOOP", "loops through symbolic links"),
+    ("DANGLING", "is a symbolic link to"),
+])
+def test_checkpoint_dir_inside_a_checkpoint_or_through_a_bad_link_is_exit_2(where, needle, tmp_path):
+    """checkpoint.dir=ckpt/step_2 (even with overwrite=true) passed --dry-run and a real run then
+    wrote its config, metrics and checkpoints into another run's saved checkpoint; a symlink loop
+    passed --dry-run (its parent was probed instead). Both are refused, dry run or not, and the
+    existing run is left exactly as it was."""
+    from tests.ckpt_tools import tree_state
+
+    run = tmp_path / "run"
+    (run / "step_2" / "state").mkdir(parents=True)
+    (run / "step_2" / "manifest.json").write_text("{}")
+    (run / ".tmp-step_3").mkdir()
+    (run / "run.json").write_text("{}")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    target = where.replace("RUN", str(run)).replace("LOOP", str(tmp_path / "loop_a")).replace(
+        "DANGLING", str(tmp_path / "dangling"))
+    before = tree_state(tmp_path)
+    refused(cli("train", "--dry-run", f"checkpoint.dir={target}"), needle)
+    refused(cli("train", f"checkpoint.dir={target}", "checkpoint.overwrite=true"), needle)
+    assert tree_state(tmp_path) == before
+
+
 def _mount_tmpfs(path: Path, size: str, *opts: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     o = ",".join((f"size={size}",) + opts)

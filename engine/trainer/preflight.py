@@ -22,6 +22,7 @@ the config is built (engine.config.validate / engine.config.interpolation), befo
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -226,6 +227,14 @@ def probe_writable(run_dir: Path) -> Path:
     """Create and remove a temporary directory (with a small file) where the run directory
     will be; returns the directory probed. Raises ConfigError naming what is wrong."""
     shown = f"checkpoint.dir={run_dir}"
+    from engine.user_paths import stat_path
+
+    # a symlink loop or a too-long name: refused here (exists() is False for both, so the probe
+    # below would test the parent and pass); a dangling link: mkdir(exist_ok=True) would fail on it
+    if stat_path(run_dir, f"`{shown}`", error=ConfigError, title="run directory unusable") is None \
+            and os.path.islink(run_dir):
+        raise ConfigError(f"`{shown}` is a symbolic link to {os.readlink(run_dir)}, which does not exist. Create "
+                          "that directory first, or choose another checkpoint.dir.", title="run directory unusable")
     try:
         base = _nearest_existing(run_dir.absolute())
         if not base.is_dir():
