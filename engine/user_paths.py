@@ -178,3 +178,34 @@ def check_output_file(out, what: str, *, magic: bytes | None = None, kind: str =
                 raise UserError(f"{what} {shown(out)} already exists and is not a {kind}; it is not replaced. "
                                 f"Give a new file name (or remove that file first).", title="output exists")
     check_writable_parent(out, what)
+
+
+def read_jsonl(path, what: str, *, error=UserError) -> tuple[list[tuple[int, object]], list[int]]:
+    """The lines of a JSON-lines file a run wrote (metrics.jsonl, memory.jsonl): ([(line number,
+    parsed value)], [numbers of lines that are not JSON]); blank lines are skipped, a missing
+    file is ([], []). Bytes that are not UTF-8 (a damaged file, binary garbage) make their line
+    unparseable instead of failing the whole read; anything but a regular file (a directory, a
+    FIFO that would block, /dev/zero that never ends) is ``error``, never opened."""
+    from engine import json_safe
+
+    st = stat_path(path, what, error=error, title="unreadable run file")
+    if st is None:
+        return [], []
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} is {file_kind(st)}, not a file of JSON rows; it is not read. A run writes it as a "
+                    "regular file: move that one away (or point the command at the run directory that wrote it).",
+                    title="unreadable run file")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise error(f"{what} {os_problem(e)}.", title="unreadable run file") from None
+    rows, bad = [], []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((i, json_safe.loads(line)))
+        except ValueError:
+            bad.append(i)
+    return rows, bad

@@ -150,6 +150,31 @@ def test_errors_are_one_paragraph_exit_2(tmp_path):
     assert_clean_exit_2(mem_report("trainer.total_steps=5"), "rl train", "rl mem-report <run dir>")
 
 
+def test_damaged_or_special_run_files_are_clean_errors_or_skipped(tmp_path):
+    """memory.jsonl of binary garbage was a UnicodeDecodeError traceback, and a metrics.jsonl row
+    that is a JSON list (or micro_batch_shapes that are not shapes) an AttributeError traceback:
+    garbage in memory.jsonl names the line (exit 2), damaged metrics rows are skipped (exit 0,
+    strict JSON), and a FIFO memory.jsonl is refused without being opened."""
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {total_steps: 1}\n")
+    (run / "memory.jsonl").write_bytes(b"\x94\xea\xff garbage \x00\n")
+    assert_clean_exit_2(mem_report(str(run), "--json"), "line 1", "not a memory record")
+    (run / "memory.jsonl").write_text('{"phase": "update", "step": 1, "rank": 0}\n')
+    (run / "metrics.jsonl").write_bytes(b'[1, 2]\n"text"\n{"step": 1, "micro_batch_shapes": [["a"], 5, []]}\n'
+                                        b"\xff\xfe\n")
+    r = mem_report(str(run), "--json")
+    assert r.exit_code == 0, r.output
+    json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    (run / "memory.jsonl").unlink()
+    os.mkfifo(run / "memory.jsonl")
+    t0 = time.monotonic()
+    assert_clean_exit_2(mem_report(str(run), "--json"), "memory.jsonl")
+    assert time.monotonic() - t0 < 5
+
+
 # ---- real runs -------------------------------------------------------------------------------
 def _rows(report: dict, phase: str = "update") -> dict:
     return {r["category"]: r for r in report["comparison"] if r["phase"] == phase}

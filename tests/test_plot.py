@@ -181,3 +181,56 @@ def test_png_replaces_an_earlier_png_with_ordinary_permissions(runs, tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert out.read_bytes()[:4] == b"\x89PNG" and (out.stat().st_mode & 0o777) == (0o666 & ~mask)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "directory", "fifo", "device", "list_rows"])
+def test_damaged_metrics_file_is_a_clean_error_or_skipped(runs, damage):
+    """metrics.jsonl of binary garbage (UnicodeDecodeError) or a directory there (IsADirectoryError)
+    were tracebacks, and a FIFO or a link to /dev/zero hung `rl plot` forever: they are refused
+    unread or (damaged lines) skipped; exit 2 with an empty stdout under --json, well within 5 s."""
+    import os
+    import time
+
+    from tests.cli_utils import cli
+
+    a, _ = runs
+    m = a / "metrics.jsonl"
+    (a / "validation.jsonl").unlink()
+    good = m.read_text()
+    m.unlink()
+    if damage == "garbage":
+        m.write_bytes(b"\x94\xea\xff\x00 not json\n" * 20)
+    elif damage == "directory":
+        m.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(m)
+    elif damage == "device":
+        m.symlink_to("/dev/zero")
+    else:  # rows that are JSON but not objects, around the good ones: those still plot
+        m.write_text('[1, 2]\n"x"\n{"step": true}\n' + good + "\xff\n")
+    t0 = time.monotonic()
+    r = cli("plot", str(a), "--json")
+    assert time.monotonic() - t0 < 5 and "Traceback" not in r.output
+    if damage == "list_rows":
+        assert r.exit_code == 0 and json.loads(r.stdout)["runs"][0]["points"] == 5, r.output
+        return
+    needle = {"garbage": "damaged", "directory": "is a directory", "fifo": "is a FIFO", "device": "is a device"}
+    assert r.exit_code == 2 and r.stdout == "" and needle[damage] in flat(r.stderr), r.output
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "device"])
+def test_a_run_path_that_is_not_a_directory_is_named(tmp_path, kind):
+    """`rl plot FILE` said "no rows in FILE/metrics.jsonl"; a FIFO or a device is named as one."""
+    import os
+
+    from tests.cli_utils import cli
+
+    p = tmp_path / "thing"
+    if kind == "file":
+        p.write_text("x")
+    elif kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p = Path("/dev/zero")
+    r = cli("plot", str(p))
+    assert r.exit_code == 2 and "not a run directory" in flat(r.stderr) and "Traceback" not in r.output, r.output

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from engine import json_safe
 from engine.errors import ConfigError, UserError
 from engine.memory.report import RECORDS_FILE, MemoryReport, PhaseRecord, build_report
 
@@ -92,21 +91,19 @@ def _run_paths(path) -> tuple[Path, Path, list[str]]:
 
 
 def _load_records(path: Path) -> list[PhaseRecord]:
+    from engine.user_paths import read_jsonl
+
     out = []
-    with path.open() as fh:
-        for i, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json_safe.loads(line)
-                if not isinstance(d, dict) or "phase" not in d:
-                    raise ValueError("not a phase record")
-                out.append(PhaseRecord.from_json(d))
-            except (ValueError, TypeError) as e:
-                raise UserError(f"{path} line {i} is not a memory record ({e}). The file is damaged (a run killed "
-                                "mid-write leaves a partial last line): delete that line and rerun.",
-                                title="damaged memory records") from None
+    rows, bad = read_jsonl(path, str(path))  # a FIFO or a device is refused unread; bad bytes make a bad line
+    for i, d in sorted(rows + [(i, None) for i in bad], key=lambda x: x[0]):
+        try:
+            if not isinstance(d, dict) or "phase" not in d:
+                raise ValueError("not JSON" if d is None else "not a phase record")
+            out.append(PhaseRecord.from_json(d))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise UserError(f"{path} line {i} is not a memory record ({e}). The file is damaged (a run killed "
+                            "mid-write leaves a partial last line): delete that line and rerun.",
+                            title="damaged memory records") from None
     if not out:
         raise UserError(f"{path} is empty: the run stopped before its first step finished. Run at least one "
                         "step (`rl train trainer.total_steps=1 ...`) or estimate with `rl mem-report --estimate`.",
@@ -131,15 +128,12 @@ def _read_run_config(run_dir: Path):
 
 
 def _metrics_rows(run_dir: Path) -> list[dict]:
+    from engine.user_paths import read_jsonl
+
     f = run_dir / "metrics.jsonl"
-    rows = []
-    if f.is_file():
-        for line in f.read_text().splitlines():
-            try:
-                rows.append(json_safe.loads(line))
-            except ValueError:
-                continue
-    return rows
+    if not f.is_file():
+        return []
+    return [row for _, row in read_jsonl(f, str(f))[0] if isinstance(row, dict)]
 
 
 def _first_training_rollouts(records: list[PhaseRecord], rank: int = 0) -> list[PhaseRecord]:
@@ -157,9 +151,11 @@ def observed_seq_len(cfg, records: list[PhaseRecord], metrics: list[dict],
     """The longest (padded) sequence of the run's training micro-batches on rank 0, as well as
     it can be known: (tokens or None, source, explanation). See the module docstring.
     ``config_estimate``: the estimate at the config's longest sequence, if already built."""
-    shapes = [tuple(s) for row in metrics for s in (row.get("micro_batch_shapes") or [])]
-    if shapes:
-        t = max(int(s[-1]) for s in shapes)
+    lengths = [s[-1] for row in metrics for s in (row.get("micro_batch_shapes") or [])
+               if isinstance(row.get("micro_batch_shapes"), list) and isinstance(s, list) and s
+               and isinstance(s[-1], int) and not isinstance(s[-1], bool)]  # a damaged row is skipped
+    if lengths:
+        t = max(lengths)
         return t, "metrics", f"the run's micro-batches (metrics.jsonl micro_batch_shapes, longest {t} tokens)"
     if cfg is None or cfg.rollout.name != "torch":
         return None, "config", ""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine import json_safe
 from engine.checkpoint.layout import STEP_RE
 from engine.errors import UserError
 from engine.tracking.names import resolve_metric, step_metrics, validation_metrics
@@ -41,28 +40,34 @@ def run_root(path: Path) -> Path:
 
 
 def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json_safe.loads(line)
-        except ValueError:
-            continue  # a half-written last line of a killed run
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            out.append(row)
-    return out
+    """The rows with an integer step; lines that are not JSON objects (a half-written last line
+    of a killed run, damaged bytes) are skipped. A directory, FIFO or device there is a UserError."""
+    from engine.user_paths import read_jsonl, shown
+
+    rows, _bad = read_jsonl(path, shown(path))
+    return [row for _, row in rows
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)]
 
 
 def run_metrics(path: Path) -> dict[int, dict[str, float]]:
     """step -> every logged metric of that step (train/perf/mem from metrics.jsonl, val/ from validation.jsonl)."""
-    root = run_root(path)
-    if not root.exists():
-        raise UserError(f"{path} does not exist. Pass run directories (the checkpoint.dir of a run, e.g. "
+    from engine.user_paths import file_kind, shown, stat_path
+
+    st = stat_path(path, f"the run path {shown(path)}", title="no run")
+    if st is None:
+        raise UserError(f"{shown(path)} does not exist. Pass run directories (the checkpoint.dir of a run, e.g. "
                         f"`rl plot ckpt/`).", title="no run")
+    root = run_root(path)
+    if root == Path(path) and not Path(path).is_dir():
+        raise UserError(f"{shown(path)} is {file_kind(st)}, not a run directory. Pass run directories (the "
+                        f"checkpoint.dir of a run, e.g. `rl plot ckpt/`), a step_N directory or a {METRICS_FILE}.",
+                        title="no run")
     metrics_rows, val_rows = _rows(root / METRICS_FILE), _rows(root / VALIDATION_FILE)
     if not metrics_rows and not val_rows:
-        hint = (" The run was started with trainer.loggers without jsonl, so it kept no metrics.jsonl."
+        mf = root / METRICS_FILE
+        hint = (" The file holds no JSON row with a step: it is damaged, or is not a run's metrics.jsonl."
+                if mf.is_file() and mf.stat().st_size > 0 else
+                " The run was started with trainer.loggers without jsonl, so it kept no metrics.jsonl."
                 if (root / "run.json").exists() else " It is not an rl run directory.")
         raise UserError(f"{path} has no metrics to plot (no rows in {root / METRICS_FILE}).{hint}",
                         title="no metrics")
