@@ -139,7 +139,7 @@ def test_errors_are_one_paragraph_exit_2(tmp_path):
     (run / "memory.jsonl").write_text("")
     assert_clean_exit_2(mem_report(str(run)), "empty")
     assert_clean_exit_2(mem_report(str(run), "trainer.nprocs=2"), "takes no overrides")
-    for bad in ("80XB", "-3GiB", "0"):
+    for bad in ("80XB", "-3GiB", "0", "inf", "1e400GB", "-infGiB", "nan"):  # inf/1e400: OverflowError tracebacks
         assert_clean_exit_2(mem_report("--estimate", "--device-memory", bad), "memory size")
     assert_clean_exit_2(mem_report("--device-memory", "lots"), "memory size")   # before any run starts
     assert_clean_exit_2(mem_report("--estimate", "trainer.nprocz=8"), "trainer.nprocs")

@@ -727,11 +727,11 @@ def parse_bytes(text: str) -> int:
             num = low[: -len(u)]
             try:
                 return int(float(num) * units[u])
-            except ValueError:
+            except (ValueError, OverflowError):  # 'nan', 'inf', '1e400': not a size
                 break
     try:
         return int(float(low))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"cannot read {text!r} as a memory size; write e.g. 80GiB, 141GB or 81920MiB.",
                           title="invalid memory size") from None
 
