@@ -101,6 +101,24 @@ def _fifo(rel: str):
     return damage
 
 
+def _forged_tensor_size(step: Path, outside: Path) -> None:
+    """.metadata claims a weight of 10^14 elements (its chunk too), manifest resealed: what the
+    metadata says it stores is far too little for that, so the claim is refused before anything
+    sizes a buffer from it."""
+    import pickle
+
+    import torch
+
+    meta = step / "state" / ".metadata"
+    md = pickle.loads(meta.read_bytes())  # the test's own trusted copy
+    name = next(k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size"))
+    entry = md.state_dict_metadata[name]
+    entry.size = torch.Size([10**7, 10**7])
+    entry.chunks[0].sizes = entry.size
+    meta.write_bytes(pickle.dumps(md))
+    reseal(step)
+
+
 # name -> damage(step_dir, a directory outside the run); every one must be refused
 CASES = {
     # truncations
@@ -140,6 +158,7 @@ CASES = {
     "extra file in step dir": lambda s, o: (s / "notes.txt").write_text("hi"),
     # garbage that still hashes right
     "garbage rng file, resealed": _garbage_rng,
+    "tensor size forged in .metadata, resealed": _forged_tensor_size,
     # symlinks and special files
     "shard is a symlink to an identical copy": _symlink_to_copy("state/__0_0.distcp"),
     "rng dir is a symlink to an identical copy": _symlink_to_copy("rng"),

@@ -89,6 +89,7 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
     out = DcpContents(version=_attr(md, "version"))
     out_locations: dict[str, tuple[str, int, int, bool]] = {}
     stored: dict[str, int] = {}
+    transformed: set[str] = set()  # entries stored through a stream transform (compressed): no size floor
     ends: dict[str, int] = {}
     storage_data = _attr(md, "storage_data")
     if isinstance(storage_data, dict):
@@ -98,8 +99,10 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
                 continue
             fqn = _attr(index, "fqn", "")
             stored[fqn] = stored.get(fqn, 0) + length
+            if _attr(info, "transform_descriptors"):
+                transformed.add(fqn)
             if isinstance(fqn, str):
-                out_locations[fqn] = (rel, off, length, bool(_attr(info, "transform_descriptors")))
+                out_locations[fqn] = (rel, off, length, fqn in transformed)
             ends[rel] = max(ends.get(rel, 0), off + length)
     else:
         out.notes.append("storage layout is not the filesystem writer's: data files not checked")
@@ -113,6 +116,9 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
             chunks = _attr(entry, "chunks") or []
             out.tensors.append(TensorInfo(name=name, dtype=dtype, shape=size,
                                           shards=max(1, len(chunks)), group=group(name, True)))
+            problem = _size_claim_problem(name, dtype, size, stored.get(name), name in transformed)
+            if problem and isinstance(storage_data, dict):
+                out.problems.append(problem)
         elif qual.endswith("BytesStorageMetadata"):
             out.objects.append(ObjectInfo(name=name, type="bytes", group=group(name, False),
                                           stored_bytes=stored.get(name)))
@@ -135,6 +141,32 @@ def read_dcp(root: Path, *, display: Optional[str] = None,
     out.writer_ranks = sorted({int(m.group(1)) for f in out.files
                                if (m := _DATA_FILE.match(f.path))})
     return out
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+             "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+
+
+def _size_claim_problem(name: str, dtype: str, size: tuple, stored: Optional[int], transformed: bool) -> str:
+    """'' when the bytes the metadata stores for a tensor can hold the shape it claims, else why
+    not. DCP's filesystem writer stores every element (plus a torch.save header) and never stores a
+    replicated chunk twice, so a tensor claiming more elements than its stored bytes hold is a
+    forged or damaged ``.metadata``: caught here, before anything sizes a buffer from the claim.
+    Tensors stored through a stream transform (compression) have no floor and are not checked."""
+    itemsize = _ITEMSIZE.get(dtype.removeprefix("torch."))
+    if itemsize is None or transformed:
+        return ""
+    numel = 1
+    for d in size:
+        numel *= d
+    if numel < 0 or any(d < 0 for d in size):
+        return f"tensor {name!r} has a negative dimension {list(size)} in {METADATA_FILE}"
+    need = numel * itemsize
+    if need > (stored or 0):
+        return (f"tensor {name!r} claims shape {list(size)} ({dtype}, {human_bytes(need)}) but {METADATA_FILE} "
+                f"stores {human_bytes(stored or 0)} for it")
+    return ""
 
 
 MAX_OBJECT_BYTES = 16 << 20       # one non-tensor entry (a pickled param-group value is ~1 KiB)
