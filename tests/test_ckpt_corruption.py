@@ -334,3 +334,41 @@ def test_resume_survives_a_truncated_metrics_row(trained, tmp_path):
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert (run / "step_3" / "manifest.json").is_file()
     assert cli("inspect-ckpt", str(run / "step_3"), "--verify").exit_code == 0
+
+
+def test_reward_code_shipped_inside_a_run_is_never_imported(trained, tmp_path, monkeypatch):
+    """A run directory can carry a Python file and a config naming it as the reward function, and
+    `cd run && rl resume .` makes the current directory importable. rl refuses to import a reward
+    module from inside the run being resumed (dry run and real), naming the file; the marker the
+    module writes when imported never appears, and nothing in the run changes."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    marker = tmp_path / "ran"
+    (run / "shipped_reward.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                           f"def score(prompt, response, answer):\n    return 1.0\n")
+    reseal(run / STEP, lambda m: m["config"]["task"].update(reward_fn="shipped_reward:score"))
+    monkeypatch.chdir(run)
+    before = tree_state(run)
+    for extra in (["--dry-run"], []):
+        r = cli("resume", ".", "trainer.total_steps=3", *extra)
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2 and "inside the run directory" in out and "shipped_reward.py" in out, r.output
+        assert not marker.exists()
+    assert tree_state(run) == before
+
+
+def test_reward_code_outside_the_run_is_the_users_own(tmp_path, monkeypatch):
+    """The same check lets a module the user keeps next to the run (their working directory)
+    through, and finds its location without importing it."""
+    from engine.config.schema import TaskConfig
+    from engine.rewards.spec import import_locations, refuse_code_inside
+
+    (tmp_path / "run").mkdir()
+    marker = tmp_path / "ran"
+    (tmp_path / "users_reward.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = TaskConfig(name="dataset", reward_fn="users_reward:score", correct_fn="rl:exact_match")
+    refuse_code_inside(cfg, tmp_path / "run", "the run's config")  # no error
+    assert import_locations("users_reward:score") == [tmp_path / "users_reward.py"] and not marker.exists()
+    with pytest.raises(Exception, match="inside the run directory"):
+        refuse_code_inside(cfg, tmp_path, "the run's config")

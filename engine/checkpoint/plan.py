@@ -180,6 +180,9 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         else:
             applied.append(o)
     cfg = apply_overrides_to(saved_cfg, applied)
+    from engine.rewards.spec import refuse_code_inside
+
+    refuse_code_inside(cfg.task, root, "the run's config")  # before anything imports the functions
     # the run continues where it was found, whatever checkpoint.dir said when it was written
     want_dir = Path(cfg.checkpoint.dir) if any(o.startswith("checkpoint.dir=") for o in overrides) else root
     if want_dir.resolve() != root:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 from engine.errors import ConfigError
@@ -69,6 +71,58 @@ def import_target(target: str, name: Optional[str] = None, key: str = "task.rewa
     if not callable(obj):
         raise ConfigError(f"`{key}={shown}`: `{mod_name}` has no function `{attr}`.", title="invalid config value")
     return obj
+
+
+def named_targets(task_cfg) -> list[tuple[str, str]]:
+    """(config key, module:function) of every user function the task config names, resolved
+    (``rl:`` built-ins included) but not imported."""
+    out = []
+    for key, names in (("task.reward_fn", [task_cfg.reward_fn]), ("task.reward_fns", list(task_cfg.reward_fns or [])),
+                       ("task.correct_fn", [task_cfg.correct_fn])):
+        for n in names:
+            if n and ":" in str(n):
+                out.append((key, target_of(str(n), key)))
+    return out
+
+
+def import_locations(target: str) -> list[Path]:
+    """The files or package directories ``module`` of ``module:function`` would be imported from
+    (the current directory importable, as for :func:`import_target`), found without running any
+    of its code: the top-level name's spec (a namespace package: every portion). Empty when it is
+    built in, already imported from nowhere, or not found."""
+    top = target.split(":", 1)[0].split(".")[0]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    places = [Path(p) for p in (spec.submodule_search_locations or [])]
+    if spec.origin and spec.origin not in ("built-in", "frozen"):
+        places.append(Path(spec.origin))
+    return places
+
+
+def refuse_code_inside(task_cfg, root: Path, what: str) -> None:
+    """Refuse a reward or correctness function that would be imported from inside ``root`` (a run
+    directory being resumed): code that arrives with a run or checkpoint is never run, only code
+    the user has on their own import path. ``what`` names where the config was read."""
+    root = Path(root).resolve()
+    for key, target in named_targets(task_cfg):
+        for place in import_locations(target):
+            try:
+                inside = place.resolve().is_relative_to(root)
+            except OSError:
+                inside = False
+            if inside:
+                raise ConfigError(
+                    f"`{key}` in {what} names `{target}`, whose module would be imported from {place}, inside the "
+                    f"run directory {root}. rl never runs code that comes with a run or checkpoint (it may have been "
+                    f"copied from anywhere). If you wrote that function, move it out of the run directory and run "
+                    f"`rl resume` from the directory that holds it (or install it); nothing was imported.",
+                    title="code inside the run directory")
 
 
 def user_reward_specs(task_cfg) -> list[RewardFnSpec]:
