@@ -772,3 +772,19 @@ def test_backfill_and_refusal_on_megatron_optimizer_layout(tmp_path):
     assert r["weights_exact"] and r["loaded_exact"] and r["backfilled_initial"]
     assert r["refused"] and r["damaged"] in r["refused"] and "--allow-partial" in r["refused"]
     assert sorted(r["partial"]["backfilled"]) == sorted([r["backfilled"], r["damaged"]])
+
+
+def test_checkpoint_paths_that_are_not_directories_are_named(tmp_path):
+    """`rl resume` and `rl export` name what a bad checkpoint path is (a symlink loop, a FIFO, a
+    device) instead of calling a loop missing or a FIFO a file; exit 2, nothing opened."""
+    import os
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    os.mkfifo(tmp_path / "fifo")
+    for target, expect in ((tmp_path / "a", "loops through symbolic links"), (tmp_path / "fifo", "is a FIFO"),
+                           (Path("/dev/zero"), "is a device")):
+        for argv in (["resume", str(target), "--dry-run"], ["export", str(target), "--out", str(tmp_path / "o")]):
+            r = _cli(*argv)
+            assert r.exit_code == 2 and expect in " ".join(r.output.split()), (argv, r.output)
+            assert "Traceback" not in r.output and not (tmp_path / "o").exists()

@@ -24,15 +24,20 @@ _DONE = {"resume": "resumed", "export": "exported"}
 def find_checkpoint(path: Path, command: str = "resume") -> Located:
     """A run root -> its latest complete step_N (derived from disk); a step_N -> that one.
     ``command`` (resume, export) is the `rl` command the refusals name in their hints."""
+    import stat
+
+    from engine.user_paths import file_kind, shown as shown_path, stat_path
+
     path = Path(path)
-    shown = str(path)
+    shown = shown_path(path)
     done_word = _DONE.get(command, "used")
-    if not path.exists():
+    st = stat_path(path, f"The checkpoint path {shown}", error=CheckpointError, title="no checkpoint")
+    if st is None:
         raise CheckpointError(f"{shown} does not exist. Pass a run directory (checkpoint.dir of a run, e.g. "
                               f"`rl {command} ckpt/`) or one of its step_N directories.", title="no checkpoint")
-    if not path.is_dir():
-        raise CheckpointError(f"{shown} is a file, not an rl checkpoint. Pass a run directory (e.g. `rl {command} "
-                              f"ckpt/`) or one of its step_N directories.", title="not an rl checkpoint")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{shown} is {file_kind(st)}, not an rl checkpoint. Pass a run directory (e.g. "
+                              f"`rl {command} ckpt/`) or one of its step_N directories.", title="not an rl checkpoint")
     path = path.resolve()
     if path.name.startswith(TMP_PREFIX):
         run_root = path.parent
