@@ -788,3 +788,24 @@ def test_checkpoint_paths_that_are_not_directories_are_named(tmp_path):
             r = _cli(*argv)
             assert r.exit_code == 2 and expect in " ".join(r.output.split()), (argv, r.output)
             assert "Traceback" not in r.output and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_run_files_that_are_not_regular_files_are_refused(small_run, tmp_path, kind):
+    """metrics.jsonl is appended to when a run continues: as a FIFO the write would wait forever,
+    as a symlink the rows would go wherever it points (another user's file). Resume, dry or real,
+    refuses with exit 2 naming the file, and the file it points at is untouched."""
+    import os
+
+    run = _copy(small_run, tmp_path / "run")
+    metrics = run / "metrics.jsonl"
+    outside = tmp_path / "victim.txt"
+    outside.write_text("keep me\n")
+    if metrics.exists():
+        metrics.unlink()
+    {"fifo": lambda: os.mkfifo(metrics), "symlink": lambda: metrics.symlink_to(outside),
+     "directory": lambda: metrics.mkdir()}[kind]()
+    for extra in (["--dry-run"], []):
+        r = _cli("resume", str(run), "trainer.total_steps=4", *extra)
+        assert r.exit_code == 2 and "metrics.jsonl is a" in " ".join(r.output.split()), r.output
+    assert outside.read_text() == "keep me\n"
