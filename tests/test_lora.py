@@ -171,8 +171,10 @@ def test_lora_run_learns_and_exports_merged_and_adapter(tmp_path):
     # transpose, a missed module) is off by orders of magnitude more
     torch.testing.assert_close(unmerged, merged, rtol=1e-4, atol=1e-4)
 
-    manifest["model"]["lora"]["base_sha256"] = "0" * 64
-    (run / "step_40" / "manifest.json").write_text(json.dumps(manifest))
+    from tests.ckpt_tools import reseal
+
+    # a manifest naming another base model, resealed (export verifies the manifest's digest first)
+    reseal(run / "step_40", lambda m: m["model"]["lora"].update(base_sha256="0" * 64))
     with pytest.raises(CheckpointError, match="base model .* has changed"):
         export_checkpoint(run, out=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
