@@ -66,10 +66,11 @@ def call_engine(fn: Callable[..., T], *args, **kwargs) -> T:
         fail(e.message, title=e.title, exit_code=e.exit_code)
         raise  # unreachable
     except OSError as e:  # the last net: a path the OS refused (one no check foresaw) is never a traceback
+        if not e.filename:  # not about a path (a socket, a timeout, a broken pipe): not the user's input
+            raise
         from engine.user_paths import os_problem, shown
 
-        where = shown(e.filename) if e.filename else "a file the command needed"
-        fail(f"{where} {os_problem(e)}. Check that the path exists, is the kind of file the command expects "
+        fail(f"{shown(e.filename)} {os_problem(e)}. Check that the path exists, is the kind of file the command expects "
              "(a directory or a regular file) and that you may read it (or write where an output goes).",
              title="file error")
         raise  # unreachable

@@ -429,6 +429,20 @@ def test_an_unforeseen_os_error_is_a_clean_exit_not_a_traceback(monkeypatch, tmp
     assert_clean_exit_2(run_cli(str(tmp_path)), "state/.metadata", "permission denied")
 
 
+
+def test_an_os_error_without_a_path_is_not_called_a_file_error(monkeypatch, tmp_path):
+    """The net catches path errors only: a ConnectionResetError or TimeoutError (OSErrors with no
+    file name: a dead rank, a socket) is not dressed up as "a file the command needed"; it stays
+    the exception it is, for the bug report."""
+    import engine.inspect as inspect_mod
+
+    def boom(path, verify=False):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(inspect_mod, "inspect_path", boom)
+    r = run_cli(str(tmp_path))
+    assert isinstance(r.exception, ConnectionResetError) and "file error" not in r.output
+
 # ----------------------------------------------------------------------------------------
 # --keys, --diff, --json
 
