@@ -209,3 +209,63 @@ def read_jsonl(path, what: str, *, error=UserError) -> tuple[list[tuple[int, obj
         except ValueError:
             bad.append(i)
     return rows, bad
+
+
+RUN_FILE_SUFFIXES = (".jsonl", ".json", ".yaml")  # the run-root files a run writes, rewrites or appends to
+
+
+def refuse_special_run_files(root, *, error=UserError) -> None:
+    """A run directory's own files (metrics.jsonl, memory.jsonl, config.yaml, run.json, ...) are
+    written, rewritten or appended to while a run goes on; rl only ever writes regular files
+    there. One that is a symlink (rows appended wherever it points: another user's file), a FIFO
+    (a write that waits forever), a device or a directory is refused before anything is read
+    or written. Nothing there yet: nothing to check."""
+    root = Path(root)
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return  # no directory yet (or not listable: the writability probe names that)
+    for entry in entries:
+        if entry.suffix not in RUN_FILE_SUFFIXES:
+            continue
+        st = entry.lstat()
+        if stat.S_ISREG(st.st_mode):
+            continue
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else file_kind(st)
+        raise error(f"{shown(entry)} is {kind}, not a file rl wrote; a run writes it as it goes, and rl never "
+                    f"writes through {kind}. Move it out of {shown(root)} (the run recreates what it needs) and "
+                    f"run the command again.", title="run directory unusable")
+
+
+def append_to_run_file(path, data: bytes) -> None:
+    """Append ``data`` to a run file in one write, never through a symlink (O_NOFOLLOW), never
+    into a FIFO or device (opened non-blocking, then required to be a regular file); if the
+    write fails (disk full), cut the file back to where it was, so it never ends in half a row."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink (O_NOFOLLOW) / a FIFO without a reader
+            what = "a symbolic link" if e.errno == errno.ELOOP else "a FIFO (named pipe)"
+            raise UserError(f"{shown(path)} is {what}; rl appends a run's rows only to regular files it wrote, "
+                            f"never through {what}. Move it out of the run directory and run again.",
+                            title="run directory unusable") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{shown(path)} is {file_kind(st)}; rl appends a run's rows only to regular files. "
+                            f"Move it out of the run directory and run again.", title="run directory unusable")
+        start = os.lseek(fd, 0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:  # disk full: cut back to where the file was, never half a row
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)

@@ -224,6 +224,53 @@ def test_checkpoint_dir_inside_a_checkpoint_or_through_a_bad_link_is_exit_2(wher
     assert tree_state(tmp_path) == before
 
 
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_run_files_that_are_links_or_fifos_are_refused_before_the_run(kind, tmp_path):
+    """A directory whose metrics.jsonl is a symlink to another file had `rl train` append every
+    row to that file (a FIFO would make the first row wait forever). The preflight refuses, dry
+    run or not, naming the file; the file it points at is untouched and nothing is created."""
+    import os
+
+    from tests.ckpt_tools import tree_state
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    if kind == "symlink":
+        (run / "metrics.jsonl").symlink_to(victim)
+    else:
+        os.mkfifo(run / "metrics.jsonl")
+    before = tree_state(tmp_path)
+    needle = "is a symbolic link" if kind == "symlink" else "is a FIFO"
+    refused(cli("train", "--dry-run", f"checkpoint.dir={run}"), needle, "Move it out of")
+    refused(cli("train", f"checkpoint.dir={run}", "trainer.total_steps=1"), needle, "Move it out of")
+    assert tree_state(tmp_path) == before and victim.read_text() == "keep me\n"
+
+
+def test_rows_are_never_appended_through_a_link_or_into_a_fifo(tmp_path):
+    """The one writer of every run's row files (engine/user_paths.append_to_run_file) refuses a
+    symlink (O_NOFOLLOW) and a FIFO (opened non-blocking: no wait), and appends whole rows to a
+    regular file: the last guard if a file is swapped for a link while a run goes on."""
+    import os
+
+    from engine.errors import UserError
+    from engine.tracking.jsonl_logger import append_line
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "link.jsonl").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for name, what in (("link.jsonl", "symbolic link"), ("fifo.jsonl", "FIFO")):
+        with pytest.raises(UserError, match=what):
+            append_line(tmp_path / name, '{"step": 1}')
+    assert victim.read_text() == "keep me\n"
+    append_line(tmp_path / "m.jsonl", '{"step": 1}')
+    append_line(tmp_path / "m.jsonl", '{"step": 2}')
+    assert (tmp_path / "m.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 def _mount_tmpfs(path: Path, size: str, *opts: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     o = ",".join((f"size={size}",) + opts)

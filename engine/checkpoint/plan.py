@@ -107,9 +107,10 @@ class ResumePlan:
                 os.replace(src, root / f".superseded-{name}-{stamp}")
         truncate_jsonl(root / "metrics.jsonl", self.step)  # also drops a row a kill cut short
         truncate_jsonl(root / MEMORY_FILE, self.step)
-        with open(root / RESUME_LOG, "a") as f:
-            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | self.to_json(),
-                               default=str) + "\n")
+        from engine.user_paths import append_to_run_file
+
+        append_to_run_file(root / RESUME_LOG, (json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                                                          | self.to_json(), default=str) + "\n").encode())
 
 
 def _as_written(change: ConfigChange, saved_raw: dict, overrides: list[str]) -> ConfigChange:
@@ -130,31 +131,6 @@ def _as_written(change: ConfigChange, saved_raw: dict, overrides: list[str]) -> 
         if key == change.key and "${" in value:
             now = value
     return replace(change, then=then, now=now)
-
-
-RUN_FILE_SUFFIXES = (".jsonl", ".json", ".yaml")  # the run-root files a continuing run rewrites or appends to
-
-
-def refuse_special_run_files(root: Path) -> None:
-    """The run root's own files (metrics.jsonl, memory.jsonl, config.yaml, run.json, ...) are
-    rewritten or appended to when the run continues; a save only ever writes regular files. One
-    that is a symlink (rows appended to wherever it points), a FIFO (a write that waits forever)
-    or a device is refused before anything is read or written."""
-    import stat
-
-    from engine.user_paths import file_kind, shown
-
-    for entry in sorted(root.iterdir()):
-        if entry.suffix not in RUN_FILE_SUFFIXES:
-            continue
-        st = entry.lstat()
-        if stat.S_ISREG(st.st_mode):
-            continue
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else file_kind(st)
-        raise CheckpointError(f"{shown(entry)} is {kind}, not a file a save wrote; the run writes it when it "
-                              f"continues, and rl never writes through {kind}. Move it out of {shown(root)} (the "
-                              f"run recreates what it needs) and resume again. Nothing was modified.",
-                              title="cannot resume")
 
 
 def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial: bool = False,
@@ -283,7 +259,9 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         if int(p.stem.split("_")[1]) >= world_now)
         if unused:
             warnings.append(f"saved RNG of ranks that no longer exist is not used: {', '.join(unused)}.")
-    refuse_special_run_files(root)
+    from engine.user_paths import refuse_special_run_files
+
+    refuse_special_run_files(root, error=CheckpointError)
     metric_lines = lines_of(root / "metrics.jsonl")
     broken = [i + 1 for i, ln in enumerate(metric_lines) if row_step(ln) is None]
     if broken:

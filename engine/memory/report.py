@@ -196,9 +196,9 @@ def save_records(records: list, path) -> Path:
     if path.is_dir():
         path = path / RECORDS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps(_clean(r)) + "\n")
+    from engine.user_paths import append_to_run_file
+
+    append_to_run_file(path, "".join(json.dumps(_clean(r)) + "\n" for r in records).encode())
     return path
 
 

@@ -12,20 +12,11 @@ METRICS_FILE = "metrics.jsonl"
 
 def append_line(path: Path, line: str) -> None:
     """Append one line in one write; if the write fails (disk full), cut the file back to where
-    it was, so it never ends in half a row (every row file of a run is written this way)."""
-    data = (line + "\n").encode()
-    with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to flush on close
-        start = f.tell()
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[f.write(view):]
-        except OSError:  # disk full: cut back to where the file was, never half a row
-            try:
-                f.truncate(start)
-            except OSError:
-                pass
-            raise
+    it was, so it never ends in half a row (every row file of a run is written this way). Never
+    through a symlink, into a FIFO or a device (engine/user_paths.py)."""
+    from engine.user_paths import append_to_run_file
+
+    append_to_run_file(path, (line + "\n").encode())
 
 
 class JsonlLogger:

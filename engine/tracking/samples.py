@@ -30,9 +30,10 @@ def pick_rows(step: int, n: int, prompts: list[str], responses: list[str], rewar
 
 
 def append_samples(run_dir: Path, rows: list[dict]) -> None:
-    with open(Path(run_dir) / SAMPLES_FILE, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=str) + "\n")
+    from engine.user_paths import append_to_run_file
+
+    if rows:
+        append_to_run_file(Path(run_dir) / SAMPLES_FILE, "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
 
 
 def read_samples(run_dir: Path) -> list[dict]:

@@ -261,6 +261,9 @@ def check_run_dir(cfg: RunConfig, run_dir: Path, report: PreflightReport, resume
     holder = RunLock.held_by_other(run_dir)
     if holder is not None:
         raise ConfigError(RunLock.locked_message(run_dir, holder), title="run directory locked")
+    from engine.user_paths import refuse_special_run_files
+
+    refuse_special_run_files(run_dir, error=ConfigError)  # a symlinked metrics.jsonl: rows appended wherever it points
     if resume is None:
         problem, note = RunDir(run_dir).existing_run_problem(cfg.checkpoint.overwrite)
         if problem:
