@@ -125,19 +125,25 @@ def _virtual_fs(p: Path) -> bool:
     return len(parts) > 1 and parts[1] in ("proc", "sys")
 
 
+def _lstat_output(out, what: str, other: str) -> Optional[os.stat_result]:
+    """``os.lstat`` of an output path: None when nothing is there (or a file is in the way of a
+    parent, which the parent check names); any other failure is a UserError."""
+    try:
+        return os.lstat(out)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ENOTDIR:
+            raise UserError(f"{what} {shown(out)} {os_problem(e)}. Choose another {other}.",
+                            title="cannot write there") from None
+        return None
+
+
 def check_output_dir(out, what: str = "--out") -> Optional[os.stat_result]:
     """An output directory about to be written: what is there already must be a directory
     (a FIFO, a device or a regular file in the way is refused, never replaced), and where it is
     missing it must be creatable. Returns its stat (None when it does not exist yet)."""
-    try:
-        lst = os.lstat(out)
-    except FileNotFoundError:
-        lst = None
-    except OSError as e:
-        if e.errno != errno.ENOTDIR:
-            raise UserError(f"{what} {shown(out)} {os_problem(e)}. Choose another directory.",
-                            title="cannot write there") from None
-        lst = None
+    lst = _lstat_output(out, what, "directory")
     if lst is not None and stat.S_ISLNK(lst.st_mode):
         raise UserError(f"{what} {shown(out)} is a symbolic link; it is not replaced. Give the directory it "
                         "points to, or another path.", title="output exists")
@@ -152,15 +158,7 @@ def check_output_file(out, what: str, *, magic: bytes | None = None, kind: str =
     """An output file about to be (re)written: an existing one must be a regular file that starts
     with ``magic`` (an earlier output of the same kind), so a typo never replaces a user's other
     files (metrics.jsonl, a config) or a device; a missing one must be creatable."""
-    try:
-        lst = os.lstat(out)
-    except FileNotFoundError:
-        lst = None
-    except OSError as e:
-        if e.errno != errno.ENOTDIR:
-            raise UserError(f"{what} {shown(out)} {os_problem(e)}. Choose another path.",
-                            title="cannot write there") from None
-        lst = None
+    lst = _lstat_output(out, what, "path")
     if lst is not None:
         if stat.S_ISLNK(lst.st_mode):
             raise UserError(f"{what} {shown(out)} is a symbolic link; it is not replaced. Give another path.",
