@@ -209,12 +209,14 @@ def read_jsonl(path, what: str, *, error=UserError) -> tuple[list[tuple[int, obj
     return rows, bad
 
 
-RUN_FILE_SUFFIXES = (".jsonl", ".json", ".yaml")  # the run-root files a run writes, rewrites or appends to
+RUN_FILE_SUFFIXES = (".jsonl", ".json", ".yaml", ".db")  # the run-root files a run writes, rewrites or appends to
+RUN_SUBDIRS = ("tensorboard", "wandb", "mlartifacts")  # the loggers' directories inside a run (engine/tracking)
 
 
 def refuse_special_run_files(root, *, error=UserError) -> None:
-    """A run directory's own files (metrics.jsonl, memory.jsonl, config.yaml, run.json, ...) are
-    written, rewritten or appended to while a run goes on; rl only ever writes regular files
+    """A run directory's own files (metrics.jsonl, memory.jsonl, config.yaml, run.json, mlflow.db,
+    ...) and its loggers' directories (tensorboard/, wandb/, mlartifacts/) are written, rewritten
+    or appended to while a run goes on; rl only ever writes regular files and directories
     there. One that is a symlink (rows appended wherever it points: another user's file), a FIFO
     (a write that waits forever), a device or a directory is refused before anything is read
     or written. Nothing there yet: nothing to check."""
@@ -224,15 +226,17 @@ def refuse_special_run_files(root, *, error=UserError) -> None:
     except OSError:
         return  # no directory yet (or not listable: the writability probe names that)
     for entry in entries:
-        if entry.suffix not in RUN_FILE_SUFFIXES:
-            continue
         st = entry.lstat()
-        if stat.S_ISREG(st.st_mode):
+        if entry.name in RUN_SUBDIRS:
+            if stat.S_ISDIR(st.st_mode):
+                continue  # a logger's own directory (a symlink is refused below: events written wherever it points)
+        elif entry.suffix not in RUN_FILE_SUFFIXES or stat.S_ISREG(st.st_mode):
             continue
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else file_kind(st)
-        raise error(f"{shown(entry)} is {kind}, not a file rl wrote; a run writes it as it goes, and rl never "
-                    f"writes through {kind}. Move it out of {shown(root)} (the run recreates what it needs) and "
-                    f"run the command again.", title="run directory unusable")
+        wanted = "a directory" if entry.name in RUN_SUBDIRS else "a regular file"
+        raise error(f"{shown(entry)} is {kind}, where rl writes {wanted} of the run as it goes; rl never writes "
+                    f"through {kind}. Move it out of {shown(root)} (the run recreates what it needs) and run the "
+                    f"command again.", title="run directory unusable")
 
 
 def append_to_run_file(path, data: bytes) -> None:

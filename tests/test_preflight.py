@@ -225,7 +225,7 @@ def test_checkpoint_dir_inside_a_checkpoint_or_through_a_bad_link_is_exit_2(wher
 
 
 
-@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "tensorboard_link"])
 def test_run_files_that_are_links_or_fifos_are_refused_before_the_run(kind, tmp_path):
     """A directory whose metrics.jsonl is a symlink to another file had `rl train` append every
     row to that file (a FIFO would make the first row wait forever). The preflight refuses, dry
@@ -240,10 +240,13 @@ def test_run_files_that_are_links_or_fifos_are_refused_before_the_run(kind, tmp_
     victim.write_text("keep me\n")
     if kind == "symlink":
         (run / "metrics.jsonl").symlink_to(victim)
-    else:
+    elif kind == "fifo":
         os.mkfifo(run / "metrics.jsonl")
+    else:  # a logger's directory pointing elsewhere: event files would be written there
+        (tmp_path / "elsewhere").mkdir()
+        (run / "tensorboard").symlink_to(tmp_path / "elsewhere")
     before = tree_state(tmp_path)
-    needle = "is a symbolic link" if kind == "symlink" else "is a FIFO"
+    needle = "is a FIFO" if kind == "fifo" else "is a symbolic link"
     refused(cli("train", "--dry-run", f"checkpoint.dir={run}"), needle, "Move it out of")
     refused(cli("train", f"checkpoint.dir={run}", "trainer.total_steps=1"), needle, "Move it out of")
     assert tree_state(tmp_path) == before and victim.read_text() == "keep me\n"
