@@ -7,7 +7,6 @@ an ``OSError`` traceback. Pure standard library: any layer may use it.
 
 - :func:`stat_path`: ``os.stat`` of an input path, or None when nothing is there.
 - :func:`file_kind`: "a FIFO (named pipe)", "a device", ... for a stat result.
-- :func:`require_regular_file`: an input file a reader is about to open.
 - :func:`check_output_dir` / :func:`check_output_file`: where a command is about to write.
 """
 
@@ -75,19 +74,6 @@ def stat_path(path, what: str, *, error=UserError, title: str = "bad path") -> O
                     title=title) from None
     except ValueError:  # an embedded NUL byte
         raise error(f"{what} contains a NUL byte; no file can have that name.", title=title) from None
-
-
-def require_regular_file(path, what: str, *, error=UserError, title: str = "not a regular file",
-                         fix: str = "") -> os.stat_result:
-    """Refuse, before it is opened, anything but an existing regular file: a FIFO would block a
-    read forever and a device (/dev/zero) never ends."""
-    st = stat_path(path, what, error=error, title=title)
-    if st is None:
-        raise error(f"{what} does not exist.{' ' + fix if fix else ''}", title=title)
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{what} is {file_kind(st)}, not a regular file; it is not read.{' ' + fix if fix else ''}",
-                    title=title)
-    return st
 
 
 def _nearest_existing(path: Path, what: str) -> tuple[Path, os.stat_result]:

@@ -43,11 +43,9 @@ def require_regular_file(path: Path, shown: str) -> None:
     except OSError as e:
         raise CheckpointError(f"cannot read {shown}: {e.strerror or e}.", title="unreadable checkpoint") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
-                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                "a socket" if stat.S_ISSOCK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
-                else "not a regular file")
-        raise CheckpointError(f"{shown} is {kind}, not a checkpoint file; it is not read. Pass a checkpoint "
+        from engine.user_paths import file_kind
+
+        raise CheckpointError(f"{shown} is {file_kind(st)}, not a checkpoint file; it is not read. Pass a checkpoint "
                               "directory or file (e.g. ckpt/ or ckpt/step_40).", title="not a checkpoint")
 
 
