@@ -65,6 +65,13 @@ class PolicyLoss:
     def needs_entropy(self) -> bool:
         return self.cfg.entropy_coef > 0
 
+    @property
+    def idle_rows_train_nothing(self) -> bool:
+        """A row whose advantage is 0 everywhere gets no gradient: the PPO-clip term is its only
+        term unless KL is in the loss or there is an entropy bonus (engine/backends/zero_advantage.py)."""
+        kl_in_loss = self.cfg.kl_coef > 0 and self.cfg.use_kl_loss
+        return not kl_in_loss and self.cfg.entropy_coef == 0
+
     def __call__(self, log_p, entropy, mb, n_tokens: float, n_seqs: float):
         c = self.cfg
         mask = mb.response_mask

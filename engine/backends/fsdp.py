@@ -190,6 +190,19 @@ class FSDPEngine(TrainEngine):
             return None
         return groups
 
+    def _layouts(self, mbs) -> list:
+        """Each micro-batch's prompt-grouped layout (each distinct prompt computed once,
+        engine/batching/prompt_groups.py), or None for the plain forward. The grouped forward
+        runs the model twice, so FSDP's collectives only line up when every rank takes the same
+        layout for its i-th micro-batch: one that cannot group (no prompt repeats) makes it plain
+        on every rank."""
+        layouts = [self._groups(mb.batch) for mb in mbs]
+        if self.world_size > 1:
+            grouped = torch.tensor([g is not None for g in layouts], dtype=torch.int32)
+            dist.all_reduce(grouped, op=dist.ReduceOp.MIN)
+            layouts = [g if ok else None for g, ok in zip(layouts, grouped.tolist())]
+        return layouts
+
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
@@ -298,32 +311,16 @@ class FSDPEngine(TrainEngine):
 
     def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
         """One optimizer step on this rank's share of a mini-batch."""
-        self.model.train()
         stats = StepStats()
-        n_tokens, n_seqs = global_counts(batch, None, self.world_size)
+        n_tokens, n_seqs = global_counts(batch, None, self.world_size)  # of every row, skipped or not
+        batch, sums = self._skip_idle_rows(batch, loss_fn, n_tokens, n_seqs)
+        self.model.train()
         mbs = self._micro_batches(batch)
-        sums: dict[str, float] = {}
-        for i, mb in enumerate(mbs):
+        layouts = self._layouts(mbs)
+        for i, (mb, groups) in enumerate(zip(mbs, layouts)):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            # GRPO groups: each distinct prompt computed once (engine/batching/prompt_groups.py)
-            groups = self._groups(mb.batch)
             with self._replay(mb.batch, groups=groups):  # through backward: checkpointing recomputes them too
-                with self._measure("activations") as meter:
-                    if self.activation_offload is not None:  # what stays on the device is counted there
-                        self.activation_offload.meter = meter
-                    logits = (grouped_logits(self.model, groups, self.device) if groups is not None
-                              else self._forward_logits(self.model, mb.batch))
-                lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
-                lp_fn = response_log_probs if groups is not None else token_log_probs
-                ids = lp_batch.input_ids.to(self.device)
-                with self._measure("logits") as meter:
-                    if meter is not None:
-                        meter.add(logits)
-                    # entropy: in the loss (a bonus) or only a metric (from the same log-softmax, no graph)
-                    lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
-                                    entropy_grad=loss_fn.needs_entropy)
-                dev_mb = lp_batch.to(self.device)
-                loss, m = loss_fn(lp, ent, dev_mb, n_tokens, n_seqs)
+                loss, m = self._micro_batch_loss(mb, groups, loss_fn, n_tokens, n_seqs)
                 loss.backward()
             self._end_activation_offload()
             for k, v in m.items():
@@ -345,6 +342,51 @@ class FSDPEngine(TrainEngine):
         stats.metrics = sums
         stats.replicated = {"grad_norm": float(grad_norm), "lr": self._scheduler.get_last_lr()[0]}
         return stats
+
+    def _micro_batch_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float):
+        """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
+        with self._measure("activations") as meter:
+            if self.activation_offload is not None:  # what stays on the device is counted there
+                self.activation_offload.meter = meter
+            logits = (grouped_logits(self.model, groups, self.device) if groups is not None
+                      else self._forward_logits(self.model, mb.batch))
+        lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
+        lp_fn = response_log_probs if groups is not None else token_log_probs
+        ids = lp_batch.input_ids.to(self.device)
+        with self._measure("logits") as meter:
+            if meter is not None:
+                meter.add(logits)
+            # entropy: in the loss (a bonus) or only a metric (from the same log-softmax, no graph)
+            lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
+                            entropy_grad=loss_fn.needs_entropy)
+        return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
+
+    def _skip_idle_rows(self, batch: SequenceBatch, loss_fn, n_tokens: float, n_seqs: float):
+        """(the rows to train on, the metric sums of the rows left out): rows whose advantage is 0
+        everywhere train nothing (engine/backends/zero_advantage.py); their metrics come from a
+        no-grad pass through the same loss function."""
+        from engine.backends.zero_advantage import skippable, split_rows
+
+        split = split_rows(batch, self.cfg.engine.skip_zero_advantage_rows and skippable(loss_fn))
+        skipping = torch.tensor([len(split.skip)])
+        if self.world_size > 1:
+            dist.all_reduce(skipping, op=dist.ReduceOp.MAX)
+        if not int(skipping):
+            return batch, {}
+        # every rank runs the no-grad pass so that its collectives line up; a rank that skips
+        # nothing runs it on one row and drops the result
+        idle = batch.select(split.skip or split.train[:1])
+        sums = {"rows_skipped": float(len(split.skip))}
+        self.model.train()  # the forward the update would have run, without its backward
+        mbs = self._micro_batches(idle, observe=False)
+        with torch.no_grad():
+            for mb, groups in zip(mbs, self._layouts(mbs)):
+                with self._replay(mb.batch, groups=groups):
+                    _, metrics = self._micro_batch_loss(mb, groups, loss_fn, n_tokens, n_seqs)
+                if split.skip:
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+        return batch.select(split.train), sums
 
     # ---- rollout ------------------------------------------------------------------------
     @contextmanager

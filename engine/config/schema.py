@@ -217,6 +217,9 @@ class FSDPEngineConfig(EngineConfig):
                                 "memory) or the whole model (one gather and one gradient reduction a pass, fewer "
                                 "hooks; its gathered weights live through the update); auto = model on a one-rank "
                                 "CPU run, layer otherwise", choices=["auto", "layer", "model"])
+    skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
+                                              "token (groups whose samples all scored the same) when the loss has "
+                                              "no KL or entropy term: the same gradient, metrics from a no-grad pass")
 
 
 @dataclass

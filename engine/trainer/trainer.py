@@ -258,6 +258,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     algo.update({k: v for k, v in per_update.items() if k.startswith("value_")})
     if ppo:
         algo["policy_updated"] = update_policy
+    if "rows_skipped" in totals:  # rows the update left out: zero advantage, no gradient (engine/backends/zero_advantage.py)
+        algo["update_rows_skipped_frac"] = totals["rows_skipped"] / (cfg.algorithm.ppo_epochs * len(batch))
     algo.update(routing)
     if sampling is not None:
         algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
