@@ -118,16 +118,16 @@ def test_skipping_idle_rows_on_two_ranks_when_one_rank_has_only_idle_rows():
     assert tok_on < tok_off
 
 
-def _skipped(rank, world, batch, overrides):
-    return _step(rank, world, batch, overrides)[1].get("rows_skipped")
+def _skipped(rank, world, batch, runs):
+    """rows_skipped of one step for each override list in ``runs`` (one process for all)."""
+    return [_step(rank, world, batch, overrides)[1].get("rows_skipped") for overrides in runs]
 
 
 def test_nothing_is_skipped_when_idle_rows_still_feed_the_loss():
     """An entropy bonus or KL in the loss gives zero-advantage rows a gradient: they are trained."""
     batch = _batch(idle_groups=[0, 1])
-    assert run_ranks(_skipped, 1, batch, [])[0] == 2 * G
-    assert run_ranks(_skipped, 1, batch, ["algorithm.entropy_coef=0.01"])[0] is None
-    assert run_ranks(_skipped, 1, batch, ["engine.skip_zero_advantage_rows=false"])[0] is None
+    runs = [[], ["algorithm.entropy_coef=0.01"], ["engine.skip_zero_advantage_rows=false"]]
+    assert run_ranks(_skipped, 1, batch, runs)[0] == [2 * G, None, None]
     from engine.algorithms.policy_loss import PolicyLoss
 
     def idle_ok(*o):
