@@ -31,6 +31,34 @@ def detect_format(columns: list[str], first: dict, prompt_key: str) -> str:
     return "text"
 
 
+def _did_you_mean(name: str, columns: list[str]) -> str:
+    import difflib
+
+    lower = {c.lower(): c for c in columns}
+    close = difflib.get_close_matches(name, columns, n=1) or \
+        [lower[m] for m in difflib.get_close_matches(name.lower(), list(lower), n=1)]
+    return f" Did you mean `{close[0]}`?" if close else ""
+
+
+def check_columns(columns: list[str], fmt: str, prompt_key: str, answer_key: str, origin: str) -> None:
+    """Refuse a prompt column the data does not have, and an answer column named explicitly (not
+    the default ``answer``) that it does not have: that would train against empty answers."""
+    shown = ", ".join(columns) or "none"
+    if prompt_key not in columns:
+        hint = _did_you_mean(prompt_key, columns)
+        if not hint and "messages" in columns:
+            hint = (" A `messages` column holds whole conversations (TRL's SFT layout); RL needs the prompt "
+                    "alone: a `prompt` column with the messages up to the assistant's turn (TRL's "
+                    "conversational prompt-only layout), or task.prompt_key=messages if the conversations end "
+                    "before the assistant's reply.")
+        raise ConfigError(f"{origin} has no `{prompt_key}` column (task.prompt_key).{hint} Columns: {shown}. Set "
+                          f"task.prompt_key=<the prompt's column>.", title="invalid dataset")
+    if fmt != "verl" and answer_key != "answer" and answer_key not in columns:
+        raise ConfigError(f"{origin} has no `{answer_key}` column (task.answer_key).{_did_you_mean(answer_key, columns)}"
+                          f" Columns: {shown}. Set task.answer_key=<the reference answer's column>, or leave it at "
+                          f"its default (`answer`, optional) when the rows have none.", title="invalid dataset")
+
+
 def check_prompt(prompt, where: str, fmt: str, prompt_key: str):
     """Return the prompt if usable (non-empty text, or well-formed messages); else raise naming the row."""
     if isinstance(prompt, str):

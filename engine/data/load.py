@@ -19,6 +19,16 @@ from engine.errors import ConfigError
 
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 TASK_BUILDERS = {"jsonl": "json", "parquet": "parquet"}  # task=jsonl|parquet with another file extension
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")    # text formats compressed: `datasets` reads them as they are
+
+
+def data_suffix(p: Path) -> str:
+    """The data format's extension: ``x.jsonl`` -> ``.jsonl``, and under a compression suffix
+    ``x.jsonl.gz`` -> ``.jsonl`` (``.parquet``/``.arrow`` are never compressed this way)."""
+    suffixes = [x.lower() for x in p.suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSIONS and suffixes[-2] in (".jsonl", ".json", ".csv"):
+        return suffixes[-2]
+    return p.suffix.lower()
 
 
 @dataclass
@@ -49,12 +59,44 @@ def _as_splits(obj, default: str) -> dict:
 
 
 def _unreadable(what: str, e: Exception, fix: str) -> ConfigError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    # `datasets` wraps the parser's error (DatasetGenerationError "An error occurred while generating the
+    # dataset"): the cause says what is wrong and where (pyarrow's "JSON parse error: ... in row 1")
+    while e.__cause__ is not None and isinstance(e.__cause__, Exception):
+        e = e.__cause__
+    msg = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     return ConfigError(f"Cannot read {what}: {type(e).__name__}: {msg[:300]}. {fix}", title="invalid dataset")
 
 
+def _no_rows(p: Path, builder: str) -> str:
+    """Why a JSON/JSONL/CSV file holds no rows ("" when it has some): empty or blank, only a CSV
+    header, ``[]`` (``datasets`` then fails with StopIteration or 'corresponds to no data'). Reads
+    at most a few lines."""
+    if builder not in ("json", "csv"):
+        return ""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(p.suffix.lower(), open)
+    lines = []
+    try:
+        with opener(p, "rt", encoding="utf-8-sig", errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    lines.append(line.strip())
+                if len(lines) > 1:
+                    return ""
+    except (OSError, EOFError, lzma.LZMAError):
+        return ""
+    if not lines:
+        return "the file is empty"
+    if builder == "csv":
+        return "it holds only a header line"
+    return "it is an empty JSON list" if lines[0] in ("[]", "{}") else ""
+
+
 def looks_like_name(path: str) -> bool:
-    return not path.startswith((".", "/", "~")) and Path(path).suffix.lower() not in BUILDERS and \
+    return not path.startswith((".", "/", "~")) and data_suffix(Path(path)) not in BUILDERS and \
         path.count("/") <= 1 and all(p for p in path.split("/"))
 
 
@@ -76,13 +118,18 @@ def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", spl
                           "Parquet/JSONL/JSON/Arrow file, a save_to_disk directory, or a dataset name in the local "
                           "Hugging Face cache.", title="invalid config value")
     if p.is_file():
-        builder = BUILDERS.get(p.suffix.lower()) or TASK_BUILDERS.get(task_name)
+        builder = BUILDERS.get(data_suffix(p)) or TASK_BUILDERS.get(task_name)
         if builder is None:
             raise ConfigError(f"`task.path={path}`: cannot tell the format of `{p.name}` from its extension; use "
-                              f"one of {', '.join(BUILDERS)}.", title="invalid dataset")
+                              f"one of {', '.join(BUILDERS)} (JSONL/JSON/CSV may be compressed: "
+                              f"{', '.join('.jsonl' + c for c in COMPRESSIONS[:3])}, ...).", title="invalid dataset")
         try:
             d = datasets.load_dataset(builder, data_files={split: str(p)})
         except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many types for a malformed file
+            why = _no_rows(p, builder)
+            if why:
+                raise ConfigError(f"`task.path={path}` has no rows: {why}. Point task.path at the file that holds "
+                                  f"your prompts, or fill it in (one row per prompt).", title="invalid dataset") from None
             raise _unreadable(str(p), e, f"Check that it is valid {builder.upper()}.") from None
         return OpenedDataset(_as_splits(d, split), str(p), "file")
     if p.is_dir():

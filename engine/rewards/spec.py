@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -64,13 +65,37 @@ def import_target(target: str, name: Optional[str] = None, key: str = "task.rewa
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
+        if e.name and e.name != mod_name and not mod_name.startswith(e.name + "."):  # found, but it imports a missing one
+            raise ConfigError(f"`{key}={shown}`: importing `{mod_name}` failed: it imports `{e.name}`, which is not "
+                              f"installed ({e}){_at(e)}. Install `{e.name}` in this environment, or remove that "
+                              f"import.", title="invalid config value") from None
         raise ConfigError(f"`{key}={shown}`: cannot import `{mod_name}` ({e}). Run `rl` from the directory that "
                           f"contains it, or install it.", title="invalid config value") from None
+    except SyntaxError as e:
+        raise ConfigError(f"`{key}={shown}`: `{mod_name}` has a syntax error: {e.msg} ({e.filename}:{e.lineno}). Fix "
+                          f"the file; nothing was run.", title="invalid config value") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own top-level code may raise anything
+        raise ConfigError(f"`{key}={shown}`: importing `{mod_name}` raised {type(e).__name__}: {e}{_at(e)}. Fix the "
+                          f"module's top-level code (importing it must only define functions); nothing was "
+                          f"trained.", title="invalid config value") from None
+    parent = obj
     for part in attr.split("."):
-        obj = getattr(obj, part, None)
+        parent, obj = obj, getattr(obj, part, None)
     if not callable(obj):
-        raise ConfigError(f"`{key}={shown}`: `{mod_name}` has no function `{attr}`.", title="invalid config value")
+        names = [n for n in dir(parent) if not n.startswith("_") and callable(getattr(parent, n, None))]
+        close = difflib.get_close_matches(attr.rsplit(".", 1)[-1], names, n=1)
+        hint = f" Did you mean `{mod_name}:{attr.rsplit('.', 1)[0] + '.' if '.' in attr else ''}{close[0]}`?" \
+            if close else ""
+        what = f"no function `{attr}`" if obj is None else f"`{attr}`, but it is a {type(obj).__name__}, not a function"
+        raise ConfigError(f"`{key}={shown}`: `{mod_name}` has {what}.{hint}", title="invalid config value")
     return obj
+
+
+def _at(exc: BaseException) -> str:
+    """ " (at file:line)" of the innermost frame outside the import machinery, or ""."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+              and "importlib" not in f.filename and not f.filename.endswith("/engine/rewards/spec.py")]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def named_targets(task_cfg) -> list[tuple[str, str]]:

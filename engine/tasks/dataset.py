@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.config.schema import TaskConfig
 from engine.data.fingerprint import fingerprint_path
-from engine.data.formats import detect_format, to_examples
+from engine.data.formats import check_columns, detect_format, to_examples
 from engine.data.load import open_dataset, pick_split
 from engine.errors import ConfigError
 from engine.rewards.call import resolve
@@ -30,8 +30,9 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
     rows = train_ds.to_list()
     fmt = cfg.format if cfg.format != "auto" else detect_format(columns, rows[0], cfg.prompt_key)
     name = Path(opened.source).name if opened.kind == "file" else opened.source
-    train = to_examples(rows, fmt, cfg.prompt_key, cfg.answer_key,
-                        name if opened.kind == "file" else f"{name} split {cfg.split}")
+    origin = name if opened.kind == "file" else f"{name} split {cfg.split}"
+    check_columns(columns, fmt, cfg.prompt_key, cfg.answer_key, origin)
+    train = to_examples(rows, fmt, cfg.prompt_key, cfg.answer_key, origin)
     if val_ds is not None:
         val_rows = val_ds.select(range(min(cfg.num_val, len(val_ds)))).to_list()
         val = to_examples(val_rows, fmt, cfg.prompt_key, cfg.answer_key, f"{name} split {cfg.val_split}")

@@ -1,0 +1,121 @@
+"""What users bring in: data files in the forms people really have (compressed, empty, malformed,
+with a typo'd column name) and reward modules that fail to import. Each either loads, or stops
+with one ConfigError naming the problem and the fix (never a traceback, never a silent default)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+
+import pytest
+
+from engine.config.schema import TaskConfig
+from engine.errors import ConfigError
+from engine.rewards.spec import user_reward_specs
+from engine.tasks.dataset import make_dataset_task
+
+ROWS = [{"prompt": f"{c}:", "answer": c * 6} for c in "abcdefghij"]
+
+
+@pytest.fixture
+def reward(tmp_path, monkeypatch):
+    (tmp_path / "audit_rewards.py").write_text("def r(prompt, response, answer, **row):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "audit_rewards:r"
+
+
+def jsonl(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def task(path, reward, **kw):
+    return make_dataset_task(TaskConfig(name="dataset", path=str(path), reward_fn=reward, num_val=0, **kw), seed=0)
+
+
+@pytest.mark.parametrize("name,opener", [("t.jsonl.gz", gzip.open), ("t.JSONL.GZ", gzip.open),
+                                         ("t.jsonl.bz2", bz2.open), ("t.json.gz", gzip.open)])
+def test_compressed_jsonl_loads(tmp_path, reward, name, opener):
+    """`datasets` reads compressed JSONL as it is; `t.jsonl.gz` was refused ("cannot tell the format")."""
+    text = jsonl(ROWS) if ".jsonl" in name.lower() else json.dumps(ROWS)
+    with opener(tmp_path / name, "wt") as f:
+        f.write(text)
+    t = task(tmp_path / name, reward)
+    assert sorted((e.prompt, e.answer) for e in t.train) == [(r["prompt"], r["answer"]) for r in ROWS]
+
+
+@pytest.mark.parametrize("name,text,why", [
+    ("e.jsonl", "", "the file is empty"),
+    ("blank.jsonl", "\n \n\n", "the file is empty"),
+    ("h.csv", "prompt,answer\n", "only a header line"),
+    ("l.json", "[]\n", "an empty JSON list"),
+])
+def test_files_without_rows_say_so(tmp_path, reward, name, text, why):
+    """An empty file was "Cannot read ...: StopIteration: StopIteration" or 'Instruction "train"
+    corresponds to no data!'."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=rf"`task.path=.*{name}` has no rows: .*{why}") as e:
+        task(tmp_path / name, reward)
+    assert "StopIteration" not in e.value.message and "Instruction" not in e.value.message
+
+
+def test_malformed_jsonl_names_the_parse_error(tmp_path, reward):
+    """The parser's own message (what and which row), not datasets' wrapper "An error occurred
+    while generating the dataset"."""
+    (tmp_path / "bad.jsonl").write_text(jsonl(ROWS[:1]) + "{not json\n")
+    with pytest.raises(ConfigError, match=r"Cannot read .*bad.jsonl: ArrowInvalid: JSON parse error: .* row 1\. "
+                                          r"Check that it is valid JSON") as e:
+        task(tmp_path / "bad.jsonl", reward)
+    assert "DatasetGenerationError" not in e.value.message
+
+
+def test_typo_in_a_column_name_gets_did_you_mean(tmp_path, reward):
+    """task.prompt_key with a typo named the columns but not the close one; task.answer_key with a
+    typo was accepted silently and every answer was "" (the reward compared against nothing)."""
+    (tmp_path / "q.jsonl").write_text(jsonl([{"question": r["prompt"], "solution": r["answer"]} for r in ROWS]))
+    with pytest.raises(ConfigError, match=r"q.jsonl has no `questoin` column \(task.prompt_key\)\. Did you mean "
+                                          r"`question`\? Columns: question, solution"):
+        task(tmp_path / "q.jsonl", reward, prompt_key="questoin")
+    with pytest.raises(ConfigError, match=r"has no `soluton` column \(task.answer_key\)\. Did you mean `solution`\?"):
+        task(tmp_path / "q.jsonl", reward, prompt_key="question", answer_key="soluton")
+    with pytest.raises(ConfigError, match=r"has no `Question` column.*Did you mean `question`\?"):
+        task(tmp_path / "q.jsonl", reward, prompt_key="Question")
+    ok = task(tmp_path / "q.jsonl", reward, prompt_key="question", answer_key="solution")
+    assert all(e.answer == e.prompt[0] * 6 for e in ok.train)
+    # the default answer column is optional (TRL rows carry their reference under any name)
+    assert all(e.row["solution"] == e.prompt[0] * 6 and e.answer == ""
+               for e in task(tmp_path / "q.jsonl", reward, prompt_key="question").train)
+
+
+def test_messages_column_explains_the_prompt_layout(tmp_path, reward):
+    """TRL's SFT layout ({"messages": [...]}) is not a prompt: the error says what RL needs."""
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    (tmp_path / "m.jsonl").write_text(jsonl(rows))
+    with pytest.raises(ConfigError, match=r"no `prompt` column.*`messages` column holds whole conversations.*"
+                                          r"task.prompt_key=messages"):
+        task(tmp_path / "m.jsonl", reward)
+
+
+@pytest.mark.parametrize("source,match", [
+    ("raise RuntimeError('no GPU here')\n", r"importing `bad_import` raised RuntimeError: no GPU here \(at "
+                                            r".*bad_import.py:1\)\. Fix the module's top-level code"),
+    ("def reward(prompt, response, answer:\n    return 1\n", r"`bad_import` has a syntax error: .*bad_import.py:1\)"),
+    ("import sys\nsys.exit(3)\n", r"importing `bad_import` raised SystemExit: 3"),
+    ("import not_installed_pkg_xyz\n", r"importing `bad_import` failed: it imports `not_installed_pkg_xyz`, which "
+                                       r"is not installed .*\(at .*bad_import.py:1\)\. Install `not_installed_pkg_xyz`"),
+    ("def rewards(prompt, response, answer):\n    return 1.0\n", r"`bad_import` has no function `reward`\. Did you "
+                                                                  r"mean `bad_import:rewards`\?"),
+    ("reward = 0.5\n", r"`bad_import` has `reward`, but it is a float, not a function"),
+])
+def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypatch, source, match):
+    """A reward module whose top-level code raises (or exits, or has a syntax error) was a raw
+    traceback from `rl train`; one that imports a missing package said "run rl from the
+    directory that contains it" (it was found: its import is what is missing)."""
+    (tmp_path / "bad_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key in ("reward_fn", "correct_fn"):
+        extra = {"reward_fn": "rl:exact_match"} if key == "correct_fn" else {}
+        with pytest.raises(ConfigError, match=rf"`task.{key}=bad_import:reward`: " + match):
+            user_reward_specs(TaskConfig(name="dataset", **{key: "bad_import:reward"}, **extra))
+        import sys
+        sys.modules.pop("bad_import", None)
