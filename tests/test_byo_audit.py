@@ -119,3 +119,115 @@ def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypa
             user_reward_specs(TaskConfig(name="dataset", **{key: "bad_import:reward"}, **extra))
         import sys
         sys.modules.pop("bad_import", None)
+
+
+# ---- model directories that cannot train: refused on the driver, not a traceback from a rank ----
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from tests.tiny_hf import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("m") / "llama")
+
+
+def broken_copy(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    edit(dst)
+    return str(dst)
+
+
+def _truncate(d):
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _set_config(**kw):
+    def edit(d):
+        c = json.loads((d / "config.json").read_text())
+        c.update(kw)
+        (d / "config.json").write_text(json.dumps(c))
+    return edit
+
+
+@pytest.mark.parametrize("case,edit,match", [
+    ("truncated", _truncate, r"model.safetensors is cut short: \d+ bytes of the \d+ its header describes"),
+    ("empty", lambda d: (d / "model.safetensors").write_bytes(b""), r"model.safetensors is 0 bytes"),
+    ("no_weights", lambda d: (d / "model.safetensors").unlink(), r"has no weights"),
+    ("index", lambda d: (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})),
+     r"index.json names 1 weight file\(s\) that are not in .*model-00002-of-00002.safetensors"),
+    ("encoder", _set_config(model_type="bert", architectures=["BertLMHeadModel"]),
+     r"model_type='bert', an encoder.*is_decoder=true"),
+])
+def test_model_dir_that_cannot_load_is_refused_on_the_driver(tmp_path, llama_dir, case, edit, match):
+    """A truncated/empty safetensors file or a missing shard was a SafetensorError/OSError traceback
+    from inside a rank; a BERT config (a causal-LM head in transformers' mapping) reached the
+    sampler and failed there with an AttributeError."""
+    from engine.model.source import check_architecture
+
+    d = broken_copy(llama_dir, tmp_path / case, edit)
+    with pytest.raises(ConfigError, match=match):
+        check_architecture(d)
+    check_architecture(str(llama_dir))  # the intact original passes
+
+
+def test_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, llama_dir):
+    """A tokenizer whose ids reach past the model's vocab_size was an IndexError in the rank's
+    embedding lookup."""
+    from engine.model.source import check_vocab
+    from engine.model.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(str(llama_dir))
+    prompts = [tok.encode("a:"), [3, tok.vocab_size - 1]]
+    check_vocab(str(llama_dir), tok, prompts)
+    d = broken_copy(llama_dir, tmp_path / "small_vocab", _set_config(vocab_size=5))
+    with pytest.raises(ConfigError, match=r"the tokenizer \(\d+ tokens\) makes ids the model cannot embed: a prompt "
+                                          r"token has id \d+, but config.json says vocab_size=5"):
+        check_vocab(d, tok, prompts)
+
+
+def test_tokenizer_without_eos_uses_the_models_or_is_refused(tmp_path, llama_dir):
+    """A tokenizer with no eos_token was `int(None)`: a TypeError traceback."""
+    from engine.model.tokenizer import HFTokenizer
+
+    def no_eos(d):
+        t = json.loads((d / "tokenizer_config.json").read_text())
+        t.pop("eos_token", None)
+        (d / "tokenizer_config.json").write_text(json.dumps(t))
+        for f in ("config.json", "generation_config.json"):
+            if (d / f).exists():
+                c = json.loads((d / f).read_text())
+                c["eos_token_id"] = None
+                (d / f).write_text(json.dumps(c))
+
+    d = broken_copy(llama_dir, tmp_path / "no_eos", no_eos)
+    with pytest.raises(ConfigError, match=r"the tokenizer has no end-of-sequence token"):
+        HFTokenizer(d)
+    _set_config(eos_token_id=[1, 7])(tmp_path / "no_eos")
+    assert HFTokenizer(d).eos_token_id == 1
+
+
+def test_rl_train_on_a_truncated_model_exits_2_without_a_traceback(tmp_path, llama_dir):
+    """The real command: a model directory whose download was cut short stops before any rank
+    starts (exit 2, one paragraph, no run directory), and a reward module that raises at import
+    the same way."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    d = broken_copy(llama_dir, tmp_path / "cut", _truncate)
+    (tmp_path / "rewards_at_import.py").write_text("raise ImportError('needs a GPU', name='cuda_thing')\n")
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(jsonl(ROWS))
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    for args, needle in (([f"model.path={d}", "task.reward_fn=rl:exact_match"], "is cut short"),
+                         (["task.reward_fn=rewards_at_import:r"], "importing `rewards_at_import` failed")):
+        r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", "task=dataset", f"task.path={rows}",
+                            "checkpoint.dir=run", *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=300)
+        flat = " ".join(r.stderr.replace("│", " ").split())
+        assert r.returncode == 2 and "Traceback" not in r.stderr and needle in flat, r.stderr[-3000:]
+        assert not (tmp_path / "run").exists()

@@ -120,6 +120,81 @@ def check_architecture(path: str) -> None:
             f"language model (AutoModelForCausalLM: {known}, ...). rl trains decoder-only causal LMs; check "
             f"the directory, or upgrade transformers if the architecture is newer than it.",
             title="unsupported model")
+    check_decoder(path, model_type)
+    check_weight_files(path)
+
+
+def check_decoder(path: str, model_type: str) -> None:
+    """Refuse an encoder (BERT, RoBERTa, ...) whose config leaves ``is_decoder`` off: transformers
+    maps it to a causal-LM head, but that head attends both ways and keeps no KV cache, so a
+    rollout could not sample from it (before: an AttributeError from inside a rank's sampler)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{path}/config.json cannot be loaded by transformers ({str(e).splitlines()[0][:200]}). "
+                          f"Re-save the model with save_pretrained.", title="not a model directory") from None
+    if getattr(config, "is_decoder", None) is False:
+        raise ConfigError(
+            f"{path}/config.json has model_type={model_type!r}, an encoder: its causal-LM head is a decoder only "
+            f"with is_decoder=true, which this config leaves off (bidirectional attention, no KV cache to sample "
+            f"with). rl trains decoder-only causal LMs (Llama, Qwen, Mistral, GPT-2, ...); point model.path at "
+            f"one.", title="unsupported model")
+
+
+def _safetensors_problem(f: Path) -> str:
+    """What is wrong with a safetensors file ("" if its header and size agree), reading its header only."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"is {size} bytes, too short to hold a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, 100 << 20):
+                return f"is cut short: its header says {n} bytes of header, the file has {size}"
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return "has a header that is not valid JSON"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object"
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
+    want = 8 + n + max(ends, default=0)
+    if size < want:
+        return f"is cut short: {size} bytes of the {want} its header describes"
+    return ""
+
+
+def check_weight_files(path: str) -> None:
+    """Refuse, on the driver, weights that cannot load: no weight file at all, a safetensors file
+    cut short (an interrupted download or copy) or with a broken header, an index naming shards
+    that are not there. Reads headers only (before: a SafetensorError traceback from a rank)."""
+    d = Path(path)
+    fix = ("Copy or download the model again (hf download <id>), or re-save it with "
+           "model.save_pretrained(dir).")
+    shards = sorted(f for f in d.glob("*.safetensors") if f.is_file())
+    for f in shards:
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"{f} {problem}; the model cannot load from it. {fix}", title="damaged model")
+    for index in sorted(d.glob("*.index.json")):
+        try:
+            weight_map = json_safe.loads(index.read_text()).get("weight_map") or {}
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"{index} cannot be read as a JSON weight index. {fix}", title="damaged model") from None
+        missing = sorted({str(v) for v in weight_map.values() if not (d / str(v)).is_file()})
+        if missing:
+            raise ConfigError(f"{index} names {len(missing)} weight file(s) that are not in {path} "
+                              f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}). {fix}",
+                              title="damaged model")
+    if not shards and not any(f.is_file() for pattern in PICKLED_WEIGHTS for f in d.glob(pattern)):
+        raise ConfigError(f"{path} has no weights (no *.safetensors or pytorch_model*.bin beside config.json). "
+                          f"{fix}", title="damaged model")
 
 
 def _custom_code_refusal(path: str, file: str, what: str, entry: str) -> ConfigError:
@@ -175,3 +250,24 @@ def check_model_files(path: str, raw_config: dict | None = None) -> None:
                 raise ConfigError(f"{e.message} (A model directory's pickled weights are checked before "
                                   f"anything loads them; convert trusted weights to safetensors.)",
                                   title="unsafe model") from None
+
+
+def check_vocab(path: str, tokenizer, prompts: list[list[int]]) -> None:
+    """Refuse a tokenizer that makes token ids the model has no embedding for (a tokenizer from
+    another model, or tokens added without resizing the embedding): the prompts' ids, pad and
+    eos must all be below config.json's vocab_size (before: an IndexError traceback from a rank)."""
+    raw = read_config_json(path)
+    size = raw.get("vocab_size", (raw.get("text_config") or {}).get("vocab_size"))
+    if not isinstance(size, int) or size <= 0:
+        return
+    used = [("pad token", tokenizer.pad_token_id), ("eos token", tokenizer.eos_token_id)]
+    top = max((max(p) for p in prompts if p), default=-1)
+    used.append(("a prompt token", top))
+    bad = [(what, i) for what, i in used if i is not None and i >= size]
+    if bad:
+        what, i = max(bad, key=lambda t: t[1])
+        raise ConfigError(
+            f"{path}: the tokenizer ({tokenizer.vocab_size} tokens) makes ids the model cannot embed: {what} has id "
+            f"{i}, but config.json says vocab_size={size}. The tokenizer files belong to another model, or tokens "
+            f"were added without model.resize_token_embeddings(len(tokenizer)); save the matching tokenizer and "
+            f"model together (save_pretrained) into the directory.", title="tokenizer does not fit the model")

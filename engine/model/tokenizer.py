@@ -3,6 +3,7 @@ Hugging Face tokenizers for real models. Both expose the same small surface."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 
@@ -80,7 +81,13 @@ class HFTokenizer:
                               f"needs its tokenizer files (tokenizer.json or the slow tokenizer's vocab): save "
                               f"them with tokenizer.save_pretrained(dir).", title="no tokenizer") from None
         self.chat_template = chat_template and getattr(self.tok, "chat_template", None) is not None
-        self.eos_token_id = int(self.tok.eos_token_id)
+        eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else _model_eos(path)
+        if eos is None:
+            raise ConfigError(f"{path}: the tokenizer has no end-of-sequence token (eos_token), and neither "
+                              f"config.json nor generation_config.json names an eos_token_id, so a response "
+                              f"could never end. Set it and save: tokenizer.eos_token = '<the model's end token>'; "
+                              f"tokenizer.save_pretrained(dir).", title="no eos token")
+        self.eos_token_id = int(eos)
         pad = self.tok.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
         self.vocab_size = len(self.tok)
@@ -102,6 +109,23 @@ class HFTokenizer:
         if self.eos_token_id in ids:
             ids = ids[: ids.index(self.eos_token_id)]
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _model_eos(path: str):
+    """The eos id a model directory's generation_config.json or config.json names (the first, when a
+    list), else None: what generation stops on when the tokenizer itself names no eos token."""
+    from engine import json_safe
+
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json_safe.loads(Path(path, name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0:
+            return eos
+    return None
 
 
 def encode_prompt(tok, text: str) -> list[int]:

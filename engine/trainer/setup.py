@@ -68,6 +68,10 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                           f"{cfg.data.max_prompt_length} tokens and were dropped. Raise data.max_prompt_length.",
                           title="prompt too long")
     task.data_info["dropped_overlong"] = {k: len(v.dropped) for k, v in enc.items()}
+    if model_path:
+        from engine.model.source import check_vocab
+
+        check_vocab(model_path, tok, train + val)
     limit = cfg.model.max_position_embeddings if not model_path else None
     if limit and cfg.data.max_prompt_length + cfg.rollout.max_new_tokens > limit:
         longest = max(len(p) for p in train + val)
