@@ -37,6 +37,7 @@ ALLOWED: dict[str, str] = {
     "trainer.ray_timeout_s": "a timeout",
     "trainer.threads_per_rank": "CPU threads per rank (float sums may round differently)",
     "trainer.adapt_threads": "CPU threads per rank (float sums may round differently)",
+    "trainer.keep_host_heap": "how ranks' freed host memory is kept (the same numbers)",
     "checkpoint.save_freq": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint retention",
     "checkpoint.save_final": "checkpoint cadence",

@@ -42,6 +42,9 @@ class TrainerConfig:
                                     "when other tasks hold the cores (steadier on a shared machine); off by default "
                                     "because float sums then depend on the machine's load, so a run and its resume "
                                     "are no longer bit-reproducible")
+    keep_host_heap: bool = _f(True, "ranks keep the host memory a step frees for the next step (glibc malloc: no "
+                                    "trimming, no mmap per block under 32 MiB), so steps do not page-fault it in "
+                                    "again; resident memory then stays at the step's peak. false = glibc's defaults")
     loggers: list = _f(["console", "jsonl"], "where metrics go: any of console, jsonl (metrics.jsonl), tensorboard, "
                        "wandb, mlflow (the last three need `pip install 'rl[tracking]'`)")
     project: str = _f("rl", "wandb project / MLflow experiment name the run is logged under")

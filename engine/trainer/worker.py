@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
+from engine.host_heap import keep_host_heap
 from engine.threads import adapt_threads, configure_torch_threads, restore_rank_priority
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class RankWorker:
         if note:
             print(f"rl rank {rank}: {note}", file=sys.stderr, flush=True)
         configure_torch_threads(threads)  # before torch's first parallel region: its thread pool
+        if self.cfg.trainer.keep_host_heap:  # steps reuse freed memory, no page faults (engine/host_heap.py)
+            keep_host_heap()
         # trainer.adapt_threads (with threads_per_rank=0): follow the free cores each phase; only
         # when asked, because the thread count changes how float sums are split
         t = self.cfg.trainer
