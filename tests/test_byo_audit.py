@@ -231,3 +231,26 @@ def test_rl_train_on_a_truncated_model_exits_2_without_a_traceback(tmp_path, lla
         flat = " ".join(r.stderr.replace("│", " ").split())
         assert r.returncode == 2 and "Traceback" not in r.stderr and needle in flat, r.stderr[-3000:]
         assert not (tmp_path / "run").exists()
+
+
+def test_prompt_past_the_models_positions_is_refused(tmp_path, reward):
+    """A model directory's context (GPT-2's n_positions=128) was not checked: a 291-token prompt
+    reached the rank and GPT-2's learned position embedding raised IndexError (a traceback)."""
+    from engine.config.load import load_run_config
+    from engine.trainer.setup import prepare_inputs
+    from tests.tiny_hf import save_tiny_model
+
+    d = save_tiny_model("gpt2", tmp_path / "gpt2")
+    (tmp_path / "long.jsonl").write_text(jsonl([{"prompt": "a" * (100 + 10 * i) + ":"} for i in range(20)]))
+    args = ["task=dataset", f"task.path={tmp_path / 'long.jsonl'}", f"task.reward_fn={reward}", f"model.path={d}",
+            "data.max_prompt_length=400"]
+    with pytest.raises(ConfigError, match=r"prompt \(291 tokens\) \+ rollout.max_new_tokens \(12\) exceeds "
+                                          r".*gpt2/config.json n_positions \(128\).*data.max_prompt_length=116 "
+                                          r"data.filter_overlong_prompts=true"):
+        prepare_inputs(load_run_config(args).config)
+    ok = prepare_inputs(load_run_config(args + ["data.max_prompt_length=116",
+                                                "data.filter_overlong_prompts=true"]).config)
+    try:
+        assert max(len(p) for p in ok.train_prompts + ok.val_prompts) + 12 <= 128
+    finally:
+        ok.rewards.close()

@@ -271,3 +271,19 @@ def check_vocab(path: str, tokenizer, prompts: list[list[int]]) -> None:
             f"{i}, but config.json says vocab_size={size}. The tokenizer files belong to another model, or tokens "
             f"were added without model.resize_token_embeddings(len(tokenizer)); save the matching tokenizer and "
             f"model together (save_pretrained) into the directory.", title="tokenizer does not fit the model")
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
+
+
+def context_length(path: str) -> tuple[int | None, str]:
+    """How many positions a model directory's model has, and the config.json key that says so
+    ((None, "") when it names none): a prompt plus its response must fit, or a learned position
+    embedding (GPT-2's ``wpe``) is indexed past its end."""
+    raw = read_config_json(path)
+    for where, cfg in (("", raw), ("text_config.", raw.get("text_config") or {})):
+        for key in CONTEXT_KEYS:
+            v = cfg.get(key) if isinstance(cfg, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v, f"{path}/config.json {where}{key}"
+    return None, ""

@@ -68,16 +68,21 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                           f"{cfg.data.max_prompt_length} tokens and were dropped. Raise data.max_prompt_length.",
                           title="prompt too long")
     task.data_info["dropped_overlong"] = {k: len(v.dropped) for k, v in enc.items()}
+    limit, limit_key = cfg.model.max_position_embeddings, "model.max_position_embeddings"
     if model_path:
-        from engine.model.source import check_vocab
+        from engine.model.source import check_vocab, context_length
 
         check_vocab(model_path, tok, train + val)
-    limit = cfg.model.max_position_embeddings if not model_path else None
+        limit, limit_key = context_length(model_path)  # a model directory's own positions (GPT-2: n_positions)
     if limit and cfg.data.max_prompt_length + cfg.rollout.max_new_tokens > limit:
         longest = max(len(p) for p in train + val)
         if longest + cfg.rollout.max_new_tokens > limit:
-            raise ConfigError(f"prompt ({longest}) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
-                              f"model.max_position_embeddings ({limit}).", title="invalid config")
+            keep = max(limit - cfg.rollout.max_new_tokens, 0)
+            raise ConfigError(f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) "
+                              f"exceeds {limit_key} ({limit}): the model has no positions past {limit}. Shorten the "
+                              f"prompts, lower rollout.max_new_tokens, or drop the long ones with "
+                              f"data.max_prompt_length={keep} data.filter_overlong_prompts=true.",
+                              title="prompt too long")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id}
     if cfg.rollout.name == "vllm":  # refuse what vLLM would get wrong, before any rank starts
         from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
