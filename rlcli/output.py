@@ -39,10 +39,28 @@ def strict_json_value(obj: Any) -> Any:
     return obj
 
 
+# --json: whether the running command was asked for JSON, and whether it already printed its one
+# JSON document. A command with --json that fails before that prints {"error": {...}} on stdout
+# (besides the panel on stderr), so stdout is always one valid JSON document.
+_json_state = {"on": False, "printed": False}
+
+
+def json_errors(on: bool) -> None:
+    """Called first by every command that takes --json (a process may run several commands)."""
+    _json_state.update(on=bool(on), printed=False)
+
+
 def print_json(obj: Any) -> None:
     """JSON for scripts: to stdout, nothing else on stdout; always standard JSON."""
     sys.stdout.write(json.dumps(strict_json_value(obj), indent=2, default=str, allow_nan=False) + "\n")
     sys.stdout.flush()
+    _json_state["printed"] = True
+
+
+def print_json_error(message: str, title: str, exit_code: int) -> None:
+    """Under --json, when no JSON document was printed yet: the error as one on stdout."""
+    if _json_state["on"] and not _json_state["printed"]:
+        print_json({"error": {"title": str(title), "message": str(message), "exit_code": exit_code}})
 
 
 def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
@@ -51,6 +69,7 @@ def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     import typer
     from rich.text import Text
 
+    print_json_error(message, title, exit_code)
     stderr_console().print(Panel(Text(str(message)), title=Text(str(title), style="bold red"), title_align="left",
                             border_style="red", expand=False))
     raise typer.Exit(exit_code)

@@ -6,7 +6,7 @@ import signal
 from dataclasses import asdict
 from pathlib import Path
 
-from rlcli.output import call_engine, print_json, stderr_console, stdout_console
+from rlcli.output import call_engine, print_json, print_json_error, stderr_console, stdout_console
 
 
 def render_config(loaded, json_out: bool, report=None) -> None:
@@ -89,6 +89,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         latest = latest_complete(Path(cfg.checkpoint.dir))
         where = (f"latest complete checkpoint: {latest.path} (continue with `rl resume {cfg.checkpoint.dir}`)"
                  if latest else "no checkpoint had been saved yet")
+        print_json_error(f"interrupted: workers and Ray stopped; {where}.", "interrupted", 130)
         stderr_console().print(f"[red]interrupted[/]: workers and Ray stopped; {where}.")
         raise typer.Exit(130)
     if json_out:

@@ -322,7 +322,7 @@ def test_out_that_would_replace_the_checkpoint_or_a_special_file_is_refused(tmp_
     before = tree_state(tmp_path)
     r = _export_cli(monkeypatch, step, "--out", str(out), "--overwrite", "--json")
     assert r.exit_code == 2, r.output
-    assert r.stdout == "" and "Traceback" not in r.output
+    assert json.loads(r.stdout)["error"]["exit_code"] == 2 and "Traceback" not in r.output
     assert needle in _text(r.stderr), r.stderr
     assert tree_state(tmp_path) == before
 

@@ -162,7 +162,8 @@ def test_png_never_replaces_a_file_that_is_not_a_png(runs, tmp_path, target):
                    }[target]
     before = tree_state(tmp_path)
     r = cli("plot", str(a), "--png", str(out), "--json")
-    assert r.exit_code == 2 and r.stdout == "" and "Traceback" not in r.output, r.output
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert json.loads(r.stdout)["error"]["exit_code"] == 2, r.stdout  # --json: the error as JSON on stdout
     assert needle in flat(r.stderr), r.stderr
     assert tree_state(tmp_path) == before
 
@@ -187,7 +188,7 @@ def test_png_replaces_an_earlier_png_with_ordinary_permissions(runs, tmp_path):
 def test_damaged_metrics_file_is_a_clean_error_or_skipped(runs, damage):
     """metrics.jsonl of binary garbage (UnicodeDecodeError) or a directory there (IsADirectoryError)
     were tracebacks, and a FIFO or a link to /dev/zero hung `rl plot` forever: they are refused
-    unread or (damaged lines) skipped; exit 2 with an empty stdout under --json, well within 5 s."""
+    unread or (damaged lines) skipped; exit 2 with the error as JSON on stdout under --json, well within 5 s."""
     import os
     import time
 
@@ -215,7 +216,8 @@ def test_damaged_metrics_file_is_a_clean_error_or_skipped(runs, damage):
         assert r.exit_code == 0 and json.loads(r.stdout)["runs"][0]["points"] == 5, r.output
         return
     needle = {"garbage": "damaged", "directory": "is a directory", "fifo": "is a FIFO", "device": "is a device"}
-    assert r.exit_code == 2 and r.stdout == "" and needle[damage] in flat(r.stderr), r.output
+    assert r.exit_code == 2 and needle[damage] in flat(r.stderr), r.output
+    assert needle[damage] in json.loads(r.stdout)["error"]["message"], r.stdout  # --json: the error on stdout
 
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "device"])

@@ -95,6 +95,8 @@ def render_reference() -> str:
                 allowed = " / ".join(map(str, m["choices"])) if "choices" in m else ""
                 if "min" in m or "max" in m:
                     allowed = f"{m.get('min', '')} .. {m.get('max', '')}"
+                if "above" in m:
+                    allowed = f"> {m['above']}" + (f" .. {m['max']}" if "max" in m else "")
                 out.append(f"| `{key}` | `{_yaml_value(_default(f))}` | {allowed} | {m.get('help', '')} |")
             out.append("")
     from engine.config.removed_keys import REMOVED_KEYS

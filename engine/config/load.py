@@ -85,6 +85,14 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
                     f"Options: {', '.join(opts)}.", title="unknown config option")
             continue
         check_key(key, engine_name)
+        if key == "engine.name" and value.strip() != engine_name:
+            # setting the name alone kept the other engine's keys, and the error named one of them
+            # (`engine.reshard_after_forward` belongs to another engine), not the override given
+            opts = group_options("engine")
+            fix = f"`--engine {value.strip()}` (or `engine={value.strip()}`)" if value.strip() in opts else \
+                f"`--engine <name>` with one of: {', '.join(opts)}"
+            raise ConfigError(f"`{o}`: the engine is a config group, chosen with {fix}, which also picks that "
+                              f"engine's keys. Drop `engine.name=`.", title="invalid override")
     return engine_name
 
 

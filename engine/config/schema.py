@@ -3,7 +3,8 @@
 YAML under ``configs/`` only sets values of these fields; validation, the generated
 reference (docs/config-reference.md) and shell completion all walk these classes.
 Every field carries a one-line help in ``metadata["help"]`` and, where it is bounded,
-a ``metadata["choices"]`` or ``metadata["min"]``/``["max"]`` that validation enforces.
+a ``metadata["choices"]`` or ``metadata["min"]``/``["max"]`` (``["above"]``: an exclusive lower
+bound) that validation enforces.
 """
 
 from __future__ import annotations
@@ -129,11 +130,11 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(5e-3, "peak learning rate (AdamW)", min=0.0)
+    lr: float = _f(5e-3, "peak learning rate (AdamW)", above=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
     betas: list = _f([0.9, 0.99], "AdamW betas: two numbers, each in [0, 1)", length=2, item_min=0.0,
                      item_below=1.0)
-    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    eps: float = _f(1e-8, "AdamW epsilon (0 would divide 0 by 0 where a gradient entry is 0)", above=0.0)
     warmup_steps: int = _f(2, "linear warmup over this many optimizer steps", min=0)
     schedule: str = _f("constant", "LR after warmup", choices=["constant", "cosine", "linear"])
     min_lr_ratio: float = _f(0.1, "cosine/linear: final LR as a fraction of the peak", min=0.0, max=1.0)
@@ -240,7 +241,7 @@ class CriticConfig:
     """The value model of algorithm=ppo (FSDP2: engine/backends/critic.py; megatron: engine/backends/megatron/critic.py)."""
 
     model_path: str = _f("", "model directory for the critic; empty = a copy of the policy's initial network")
-    lr: float = _f(1e-2, "critic AdamW learning rate (constant)", min=0.0)
+    lr: float = _f(1e-2, "critic AdamW learning rate (constant)", above=0.0)
     weight_decay: float = _f(0.0, "critic AdamW weight decay", min=0.0)
     grad_clip: float = _f(1.0, "clip the critic's global gradient norm to this; 0 = off", min=0.0)
     cliprange_value: float = _f(0.5, "value clipping: new values stay within this of the pre-update values",

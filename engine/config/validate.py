@@ -116,11 +116,12 @@ def coerce_value(key: str, f, value: Any) -> Any:
     elif tname == "list":
         ok = isinstance(v, (list, tuple))
         v = list(v) if ok else v
-        allowed = "a list, e.g. [0.9,0.99]"
+        default = _default_of(f)
+        allowed = f"a list, e.g. {key}={_fmt(default)}" if default else "a list, e.g. [a,b]"
     if not ok:
         raise ConfigError(
             f"`{key}` must be {allowed}; got {_short(value)} ({type(value).__name__}). "
-            f"Default: {key}={_fmt(f.default)}. Help: {meta.get('help', '')}.",
+            f"Default: {key}={_fmt(_default_of(f))}. Help: {meta.get('help', '')}.",
             title="invalid config value")
     if "choices" in meta and v not in meta["choices"]:
         raise ConfigError(
@@ -130,6 +131,9 @@ def coerce_value(key: str, f, value: Any) -> Any:
     if "min" in meta and v < meta["min"]:
         raise ConfigError(f"`{key}` must be >= {meta['min']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
+    if "above" in meta and v <= meta["above"]:
+        raise ConfigError(f"`{key}` must be > {meta['above']}; got {_short(value)}. ({meta.get('help', '')}) "
+                          f"Default: {key}={_fmt(_default_of(f))}.", title="invalid config value")
     if "max" in meta and v > meta["max"]:
         raise ConfigError(f"`{key}` must be <= {meta['max']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
@@ -186,6 +190,8 @@ def _fmt(v: Any) -> str:
         return "?"
     if isinstance(v, bool):
         return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_fmt(x) for x in v) + "]"
     return str(v)
 
 
@@ -252,6 +258,7 @@ def check_cross_field(cfg: RunConfig) -> None:
     from engine.tracking.registry import check_loggers
 
     check_loggers(cfg.trainer.loggers)
+    check_tiny_model_dims(cfg)
     lora = cfg.model.lora
     if lora.rank and cfg.engine.name != "fsdp":
         raise ConfigError(f"LoRA (model.lora.rank={lora.rank}) runs on the FSDP engine only; use --engine fsdp or "
@@ -307,3 +314,27 @@ def check_cross_field(cfg: RunConfig) -> None:
                 title="invalid config")
     # whether this machine can run the config (CUDA, FP8 hardware) is checked where torch is
     # already loaded: engine.device.check_device_config, before a run starts
+
+
+def check_tiny_model_dims(cfg: RunConfig) -> None:
+    """The built-in tiny model's attention shape (model.path empty, model.preset=tiny): checked
+    with the config, so `--dry-run` catches it, instead of a rank failing (an odd head size was a
+    traceback from transformers' RoPE validation)."""
+    m = cfg.model
+    if m.path or m.preset != "tiny":
+        return
+    h, heads, kv = m.hidden_size, m.num_attention_heads, m.num_key_value_heads
+    if h % heads or heads % kv or (h // heads) % 2:
+        fit = 2 * heads * max(1, -(-h // (2 * heads)))  # the nearest hidden size at or above h that fits
+        raise ConfigError(
+            f"The tiny model's attention shape does not fit: model.hidden_size ({h}) must be a multiple of "
+            f"model.num_attention_heads ({heads}) with an even head size (rotary embeddings rotate pairs; "
+            f"{h} / {heads} is {h / heads:g}), and model.num_attention_heads must be a multiple of "
+            f"model.num_key_value_heads ({kv}). E.g. model.hidden_size={fit}"
+            + ("" if heads % kv == 0 else f" model.num_key_value_heads={_largest_divisor(heads, kv)}") + ".",
+            title="invalid config value")
+
+
+def _largest_divisor(n: int, below: int) -> int:
+    """The largest divisor of ``n`` that is at most ``below``."""
+    return max(d for d in range(1, min(n, below) + 1) if n % d == 0)

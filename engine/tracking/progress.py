@@ -41,7 +41,8 @@ class PhaseResult:
 @contextmanager
 def phase(emit: Callable[[object], None], name: str, label: str, *, total_bytes: int | None = None,
           step: int | None = None, poll: Callable[[], int] | None = None, interval_s: float = 0.25):
-    """Emit start/progress/finish events around a long phase; set ``result.bytes`` to report a size."""
+    """Emit start/progress/finish events around a long phase; set ``result.bytes`` to report a size.
+    A phase whose body raises (an error, KeyboardInterrupt) gets no PhaseFinished."""
     emit(PhaseStarted(name, label, total_bytes, step))
     result = PhaseResult()
     stop = threading.Event()
@@ -53,12 +54,17 @@ def phase(emit: Callable[[object], None], name: str, label: str, *, total_bytes:
         poller = threading.Thread(target=run, name=f"rl-progress-{name}", daemon=True)
         poller.start()
     t0 = time.perf_counter()
+    finished = False
     try:
         yield result
+        finished = True
     finally:
         stop.set()
         if poller is not None:
             poller.join()
-        if result.bytes is None and poll is not None:
-            result.bytes = poll()
-        emit(PhaseFinished(name, label, time.perf_counter() - t0, result.bytes, step))
+        # only a phase that completed is reported finished: a save cut short by Ctrl-C or an error
+        # was shown as "saved: step_N" while step_N did not exist (only .tmp-step_N)
+        if finished:
+            if result.bytes is None and poll is not None:
+                result.bytes = poll()
+            emit(PhaseFinished(name, label, time.perf_counter() - t0, result.bytes, step))

@@ -87,8 +87,9 @@ def load_series(path: Path, metric: str) -> Series:
         from engine.config.validate import suggest
 
         known = sorted({k for m in by_step.values() for k in m})
-        raise UserError(f"{path} has no metric `{metric}`.{suggest(name, known)} Its metrics: {', '.join(known)}.",
-                        title="unknown metric")
+        listed = f" Its metrics: {', '.join(known)}." if known else " Its rows hold no finite numbers besides the step."
+        raise UserError(f"{path} has no metric `{metric}` with a finite value (nan and inf are not drawn)."
+                        f"{suggest(name, known)}{listed}", title="unknown metric")
     return Series(str(path), name, steps, [by_step[s][name] for s in steps])
 
 

@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from engine.env_info import collect
-        from rlcli.output import call_engine, print_json, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json, stdout_console
+        json_errors(json_out)
 
         console = stdout_console()
 

@@ -50,9 +50,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a Hugging Face model directory (config, generation config, safetensors, tokenizer) from a
         checkpoint, atomically."""
-        from rlcli.output import call_engine, print_json, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json, stdout_console
 
         from engine.export import export_checkpoint
+        json_errors(json_out)
 
         console = stdout_console()
 

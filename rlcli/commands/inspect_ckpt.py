@@ -69,8 +69,9 @@ def register(app: typer.Typer) -> None:
         from engine.errors import UserError
         from engine.inspect import diff_paths, inspect_checkpoint, inspect_path
         from engine.inspect.report import RunReport
-        from rlcli.output import call_engine, print_json, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json, stdout_console
         from rlcli.render import inspect as render
+        json_errors(json_out)
 
         console = stdout_console()
 

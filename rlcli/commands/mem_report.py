@@ -60,10 +60,11 @@ def register(app: typer.Typer) -> None:
             rich_help_panel="Output")] = False,
     ) -> None:
         """Memory per phase and category: estimate beside measured, offload what-if, FP8 workspaces, fixes."""
-        from rlcli.output import call_engine, fail, print_json, stderr_console, stdout_console
+        from rlcli.output import call_engine, fail, json_errors, print_json, stderr_console, stdout_console
         from rlcli.render.mem_report import render_report
 
         from engine.memory import measure
+        json_errors(json_out)
 
         console, err_console = stdout_console(), stderr_console()
 

@@ -49,9 +49,10 @@ def register(app: typer.Typer) -> None:
         """Draw a metric of one or several runs (terminal chart, or a PNG with --png)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, print_json, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json, stdout_console
 
         from engine.tracking.series import available_metrics, load_series
+        json_errors(json_out)
 
         console = stdout_console()
 

@@ -60,11 +60,12 @@ def register(app: typer.Typer) -> None:
         """Continue a run exactly where its checkpoint left off (model, optimizer, LR schedule, RNG, data)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, print_json, stderr_console, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json, stderr_console, stdout_console
         from rlcli.render.resume import resume_table
         from rlcli.run_render import run_and_render
 
         from engine.checkpoint.plan import plan_resume
+        json_errors(json_out)
 
         console, err_console = stdout_console(), stderr_console()
 

@@ -49,10 +49,11 @@ def register(app: typer.Typer) -> None:
             rich_help_panel="Output")] = False,
     ) -> None:
         """Launch an RL run: rollout, reward, advantages, policy update, checkpoints."""
-        from rlcli.output import call_engine
+        from rlcli.output import call_engine, json_errors
         from rlcli.run_render import render_config, run_and_render
 
         from engine.config.load import load_run_config
+        json_errors(json_out)
 
         loaded = call_engine(load_run_config, list(overrides or []), engine=engine)
         if dry_run:

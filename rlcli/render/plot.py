@@ -34,6 +34,24 @@ def label_of(series, all_series) -> str:
     return series.run
 
 
+# Values drawn are kept within +-DRAW_LIMIT: a series spanning e.g. -1e308..1e308 (a diverged run's
+# grad_norm) overflows the axis span to inf, and plotext / matplotlib then fail computing ticks
+# (a traceback from `rl plot`). --json keeps the logged values.
+DRAW_LIMIT = 1e150
+
+
+def _drawable(values: list) -> list[float]:
+    return [_clamped(v) for v in values]
+
+
+def _clamped(v) -> float:
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond any float (a step of 10**400 in a damaged row)
+        f = DRAW_LIMIT if v > 0 else -DRAW_LIMIT
+    return min(max(f, -DRAW_LIMIT), DRAW_LIMIT)
+
+
 def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 16, color: bool = True) -> str:
     """A line per series, drawn by plotext; ANSI colours only when ``color``."""
     plt = _need("plotext")
@@ -42,7 +60,7 @@ def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 1
     fig.plot_size(width, height)
     fig.theme("dark" if color else "colorless")
     for s in series:
-        sig = fig.signal(s.steps, s.values)
+        sig = fig.signal(_drawable(s.steps), _drawable(s.values))
         sig.lines()
         if len(series) > 1 or s.metric != title:
             sig.label(label_of(s, series) if len(series) > 1 else s.metric)
@@ -84,7 +102,7 @@ def png_figure(series: list, title: str):
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s in series:
-        ax.plot(s.steps, s.values, marker="." if len(s.steps) < 60 else None,
+        ax.plot(_drawable(s.steps), _drawable(s.values), marker="." if len(s.steps) < 60 else None,
                 label=label_of(s, series) if len(series) > 1 else s.metric)
     ax.set_title(title)
     ax.set_xlabel("step")

@@ -1,0 +1,150 @@
+"""Odd inputs found by an adversarial audit of config handling, crash safety and the CLI: each
+was a traceback, a silently useless run, a misleading message or non-JSON output under --json.
+All in process (typer's CliRunner), no run is started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli_utils import cli, flat
+
+
+def _no_traceback(r) -> None:
+    assert "Traceback" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+
+
+@pytest.mark.parametrize("dims", [
+    ["model.hidden_size=63", "model.num_attention_heads=3", "model.num_key_value_heads=1"],  # head size 21
+    ["model.hidden_size=64", "model.num_attention_heads=64", "model.num_key_value_heads=1"],  # head size 1
+    ["model.num_attention_heads=3"],   # 64 / 3
+    ["model.num_key_value_heads=3"],   # 4 heads / 3 kv heads
+])
+def test_tiny_model_shape_that_cannot_be_built_is_a_config_error(dims, tmp_path):
+    """An odd head size passed `--dry-run` and then failed on the rank with transformers' RoPE
+    traceback (exit 1); the divisibility rules were only checked on the rank, after ~10 s."""
+    r = cli("train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", *dims)
+    _no_traceback(r)
+    assert r.exit_code == 2, r.output
+    text = flat(r.stderr)
+    assert "model.hidden_size" in text and "even head size" in text and "E.g. model.hidden_size=" in text, text
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tiny_model_shape_that_fits_still_passes(tmp_path):
+    r = cli("train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", "model.hidden_size=66",
+            "model.num_attention_heads=3", "model.num_key_value_heads=3")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.eps", "critic.lr"])
+def test_zero_learning_rate_and_epsilon_are_refused(key):
+    """optim.eps=0 made AdamW divide 0 by 0 wherever a gradient entry is 0 (NaN weights: the tiny
+    model's unused embedding rows); a learning rate of 0 trained nothing, silently."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_run_config([f"{key}=0"])
+    assert f"`{key}` must be > 0.0" in e.value.message and "Default:" in e.value.message
+    assert load_run_config([f"{key}=1e-9"]).config is not None
+
+
+def test_list_value_error_shows_the_keys_own_default():
+    """`trainer.loggers=console` said "e.g. [0.9,0.99]" (optim.betas' example) and "Default: ...=?"."""
+    r = cli("train", "--dry-run", "trainer.loggers=console")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "Default: trainer.loggers=[console,jsonl]" in text, text
+    assert "0.99" not in text and "=?" not in text, text
+
+
+def test_engine_name_override_points_at_the_engine_group():
+    """`engine.name=megatron` was refused naming `engine.reshard_after_forward`, a key the user
+    never set."""
+    r = cli("train", "--dry-run", "engine.name=megatron")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "--engine megatron" in text and "reshard_after_forward" not in text, text
+
+
+def test_a_phase_cut_short_is_not_reported_finished():
+    """Ctrl-C during a checkpoint save printed "saved: <run>/step_N" although only .tmp-step_N
+    existed: the finished event was emitted from a finally block."""
+    from engine.tracking.progress import phase
+    from engine.trainer.events import PhaseFinished, PhaseStarted
+
+    events = []
+    with pytest.raises(KeyboardInterrupt):
+        with phase(events.append, "save_checkpoint", "save checkpoint ckpt/step_2", step=2, poll=lambda: 1):
+            raise KeyboardInterrupt
+    assert [type(e) for e in events if not type(e).__name__ == "PhaseProgress"] == [PhaseStarted]
+    events.clear()
+    with phase(events.append, "save_checkpoint", "save checkpoint ckpt/step_3", step=3, poll=lambda: 7):
+        pass
+    assert isinstance(events[-1], PhaseFinished) and events[-1].bytes == 7
+
+
+def _run_with_rows(root, rows):
+    root.mkdir()
+    (root / "run.json").write_text(json.dumps({"format": "rl-run", "version": 1}))
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_plot_draws_values_whose_span_overflows(tmp_path):
+    """A diverged run's values (-1e308 .. 1e308) or a step beyond any float made plotext and
+    matplotlib fail computing ticks: a traceback from `rl plot`, with or without --png."""
+    run = _run_with_rows(tmp_path / "run", [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 1e308},
+                                            {"step": 3, "reward_mean": -1e308}, {"step": 10**400, "reward_mean": 0.5}])
+    for args in ([], ["--png", str(tmp_path / "out.png")]):
+        r = cli("plot", str(run), *args)
+        _no_traceback(r)
+        assert r.exit_code == 0, r.output
+    assert (tmp_path / "out.png").stat().st_size > 0
+    r = cli("plot", str(run), "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["runs"][0]["values"][1] == 1e308, r.output
+
+
+def test_plot_of_a_run_without_finite_values_says_so(tmp_path):
+    run = _run_with_rows(tmp_path / "run", [{"step": 1}, {"step": 2, "reward_mean": None}])
+    r = cli("plot", str(run))
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "no finite numbers" in text and "Its metrics: ." not in text, text
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect-ckpt", "/dev/null", "--json"],
+    ["inspect-ckpt", "{missing}", "--json"],
+    ["train", "--dry-run", "--json", "trainer.total_steps=abc"],
+    ["train", "--json", "trainer.total_stpes=3"],
+    ["resume", "{missing}", "--dry-run", "--json"],
+    ["mem-report", "--estimate", "--json", "model=nonexistent"],
+    ["plot", "{missing}", "--json"],
+    ["plot", "{empty}", "--json"],
+])
+def test_json_output_is_json_on_error_too(args, tmp_path):
+    """Under --json an error left stdout empty (not a JSON document): scripts piping into jq or
+    json.loads failed on the very case they most need to read. The panel still goes to stderr."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(missing=tmp_path / "missing", empty=tmp_path / "empty") for a in args]
+    r = cli(*args)
+    _no_traceback(r)
+    assert r.exit_code == 2, r.output
+    err = json.loads(r.stdout)["error"]
+    assert err["exit_code"] == 2 and err["title"] and err["message"], err
+    assert err["message"].split()[0] in flat(r.stderr)
+
+
+def test_json_error_never_adds_a_second_document(tmp_path):
+    """A command that printed its JSON (a dry run's resolved config) and then fails its
+    preflight keeps stdout one document."""
+    (tmp_path / "file").write_text("x")
+    r = cli("train", "--dry-run", "--json", f"checkpoint.dir={tmp_path / 'file'}")
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)  # one document: the config and its failed preflight
+    assert "error" not in doc, doc
+    r = cli("plot", str(tmp_path / "missing"))  # no --json afterwards in the same process: no JSON
+    assert r.exit_code == 2 and r.stdout == "", r.output
