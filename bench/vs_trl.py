@@ -12,7 +12,9 @@ both of which forbid EOS), temperature 1, top-p 1, AdamW (lr 1e-5, betas 0.9/0.9
 constant LR, grad clip 1.0), no KL (TRL ``beta=0`` loads no reference), one optimizer step per
 RL step, no gradient checkpointing (TRL's default is on; off here, which only helps TRL), fp32,
 the same thread count, and (unless ``--trl-omp-default``) the passive OpenMP waits rl sets for
-itself, so a loaded machine does not penalise TRL's spinning threads.
+itself, so a loaded machine does not penalise TRL's spinning threads. rl's ranks keep the host
+memory a step frees (``trainer.keep_host_heap``, engine/host_heap.py); ``--trl-heap-tuned`` gives TRL
+the same glibc malloc thresholds (``GLIBC_TUNABLES``), to show what that setting alone is worth.
 
 Per shape the two tools run alternately (``trl, rl, rl, trl, trl, rl``, so neither always goes
 first) and each figure is the median over repeats of the per-process median step time (first
@@ -176,13 +178,18 @@ def run_rl(work: Path, model_dir: Path, shape: str, steps: int, extra: list[str]
             "update_s": [r["timing"].get("update", 0.0) for r in rows]}
 
 
-def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int, omp_default: bool) -> dict:
+def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int, omp_default: bool,
+            heap_tuned: bool = False) -> dict:
     out = Path(tempfile.mkdtemp(prefix="trl-", dir="/tmp")) / "result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(model_dir), "--shapes", shape,
            "--steps", str(steps), "--result", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     if not omp_default:  # the same passive OpenMP waits rl sets for itself (engine/threads.py)
         env.update({"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
+    if heap_tuned:  # the thresholds rl's ranks set with mallopt (engine/host_heap.py)
+        from engine.host_heap import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+        env["GLIBC_TUNABLES"] = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -259,6 +266,8 @@ def main() -> None:
     ap.add_argument("--rl-extra", nargs="*", default=[], help="extra `rl train` overrides")
     ap.add_argument("--trl-omp-default", action="store_true",
                     help="run TRL with the OpenMP wait policy of the environment (default: passive, as rl uses)")
+    ap.add_argument("--trl-heap-tuned", action="store_true",
+                    help="run TRL with the glibc malloc thresholds rl's ranks use (trainer.keep_host_heap)")
     ap.add_argument("--json", default="")
     ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -280,7 +289,7 @@ def main() -> None:
             for side in order:
                 load = loadavg()
                 if side == "trl":
-                    r = run_trl(work, model_dir, shape, args.steps, threads, args.trl_omp_default)
+                    r = run_trl(work, model_dir, shape, args.steps, threads, args.trl_omp_default, args.trl_heap_tuned)
                     trl_runs.append(r | {"load": load})
                 else:
                     r = run_rl(work, model_dir, shape, args.steps, args.rl_extra, threads)
@@ -301,7 +310,9 @@ def main() -> None:
                "update_tok_s": {"trl": upd_tokens / t["step_s"], "rl": upd_tokens / r["step_s"]}}
         out.append(row)
     print(f"\nrl vs TRL {_trl_version()} GRPOTrainer, {threads} thread(s), fp32, {args.repeats} repeats x "
-          f"{args.steps} steps (first {args.warmup} dropped), medians")
+          f"{args.steps} steps (first {args.warmup} dropped), medians; TRL's OpenMP waits "
+          f"{'from the environment' if args.trl_omp_default else 'passive'}, its malloc "
+          f"{'tuned as rl ranks (GLIBC_TUNABLES)' if args.trl_heap_tuned else 'glibc defaults'}")
     hdr = (f"{'shape':7s} {'params':>7s} {'PxGxN':>9s} {'TRL s/step':>10s} {'rl s/step':>9s} {'rl/TRL speed':>12s} "
            f"{'gen tok/s TRL|rl':>17s} {'upd tok/s TRL|rl':>17s} {'bound s':>8s} {'rl/bound':>8s} {'TRL/bound':>9s} "
            f"{'loads':>14s}")
