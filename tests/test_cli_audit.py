@@ -148,3 +148,30 @@ def test_json_error_never_adds_a_second_document(tmp_path):
     assert "error" not in doc, doc
     r = cli("plot", str(tmp_path / "missing"))  # no --json afterwards in the same process: no JSON
     assert r.exit_code == 2 and r.stdout == "", r.output
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_replacing_a_run_deletes_only_the_runs_own_files(tmp_path, overwrite):
+    """A new run replacing an old one (checkpoint.overwrite=true, or an old run without progress
+    with no overwrite at all) deleted *every* entry of the directory: the user's notes and an
+    `rl export --out run/policy` directory went with the run's files."""
+    from engine.config.load import load_run_config
+    from engine.trainer.run_dir import RunDir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.json").write_text('{"format": "rl-run", "version": 1}')
+    (d / "config.yaml").write_text("trainer: {}\n")
+    if overwrite:  # an old run with progress: metrics, a checkpoint, a logger's directory, an aside save
+        (d / "metrics.jsonl").write_text('{"step": 1}\n')
+        for sub in ("step_1", ".tmp-step_2", "tensorboard", ".superseded-step_3-5"):
+            (d / sub).mkdir()
+            (d / sub / "x").write_text("x")
+    (d / "notes.txt").write_text("mine")
+    (d / "policy").mkdir()
+    (d / "policy" / "model.safetensors").write_text("weights")
+    cfg = load_run_config([f"checkpoint.dir={d}"]).config
+    RunDir(d).create(cfg, [], overwrite=overwrite)
+    assert (d / "notes.txt").read_text() == "mine" and (d / "policy" / "model.safetensors").exists()
+    left = sorted(p.name for p in d.iterdir())
+    assert left == ["config.yaml", "notes.txt", "overrides.yaml", "policy", "run.json", "versions.json"], left

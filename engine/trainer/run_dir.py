@@ -31,6 +31,21 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+# what a run writes at its root (docs/checkpoint-format.md, engine/tracking, engine/checkpoint/run_files.py,
+# engine/data/fingerprint.py), besides step_N/ and the directories of unfinished or set-aside saves
+RUN_ENTRIES = frozenset({"run.json", "config.yaml", "overrides.yaml", "versions.json", "metrics.jsonl",
+                         "samples.jsonl", "memory.jsonl", "validation.jsonl", "resumes.jsonl", "tracking.json",
+                         "dataset.json", "mlflow.db", "tensorboard", "wandb", "mlartifacts"})
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether a run root's entry ``name`` is one a run writes (and a new run there replaces)."""
+    from engine.checkpoint.layout import ASIDE_RE, STEP_RE, TMP_STEP_RE
+
+    return (name in RUN_ENTRIES or bool(STEP_RE.match(name) or TMP_STEP_RE.match(name) or ASIDE_RE.match(name))
+            or name.startswith((".superseded-", ".stale-", "mlflow.db-")) or name.endswith(".tmp"))
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -84,11 +99,14 @@ class RunDir:
             return False
 
     def clear_old_run(self) -> None:
-        """Delete every file of the run that was here (not the lock of the run replacing it)."""
+        """Delete every file of the run that was here (not the lock of the run replacing it).
+        Only the run's own entries (is_run_entry): anything else in the directory (the user's
+        notes, an `rl export --out` directory put there) is kept; it used to be deleted too, also
+        when a run without progress was replaced with no checkpoint.overwrite at all."""
         from engine.trainer.run_lock import LOCK_FILE
 
         for p in sorted(self.path.iterdir()):
-            if p.name == LOCK_FILE:
+            if p.name == LOCK_FILE or not is_run_entry(p.name):
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
