@@ -175,3 +175,22 @@ def test_replacing_a_run_deletes_only_the_runs_own_files(tmp_path, overwrite):
     assert (d / "notes.txt").read_text() == "mine" and (d / "policy" / "model.safetensors").exists()
     left = sorted(p.name for p in d.iterdir())
     assert left == ["config.yaml", "notes.txt", "overrides.yaml", "policy", "run.json", "versions.json"], left
+
+
+def test_checkpoint_dir_with_a_tilde_is_in_the_home(tmp_path, monkeypatch):
+    """`'checkpoint.dir=~/runs/a'` made a directory literally named `~` in the current one (model.path
+    and task.path expand ~); a later `rm -rf ~...` typed to clean it up is how homes get deleted."""
+    from engine.config.load import load_run_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for value in ("'~/runs/a'", '"~/runs/a"'):
+        assert load_run_config([f"checkpoint.dir={value}"]).config.checkpoint.dir == str(tmp_path / "home/runs/a")
+    assert load_run_config(["checkpoint.dir='runs/~a'"]).config.checkpoint.dir == "runs/~a"  # not leading: kept
+
+
+def test_an_unquoted_special_character_gets_the_quoting_fix():
+    r = cli("train", "--dry-run", "checkpoint.dir=~/runs/a")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "must be quoted" in text and "'checkpoint.dir=\"~/runs/a\"'" in text, text

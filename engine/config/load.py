@@ -112,7 +112,11 @@ def compose_dict(overrides: list[str], with_env_refs: bool = False):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
     except Exception as e:  # Hydra's own errors (bad value syntax, etc.)
         text = " ".join(str(e).split())
-        raise ConfigError(f"Could not apply the overrides {' '.join(overrides)}: {text}",
+        hint = ""
+        if any(k in text for k in ("LexerNoViableAlt", "no viable alternative", "extraneous input", "mismatched input")):
+            hint = ("" if text.endswith(".") else ".") + (" A value holding characters the override grammar reads itself (~ [ ] { } , = $ quotes) must be "
+                    "quoted, e.g. 'checkpoint.dir=\"~/runs/a\"' (the outer quotes for the shell).")
+        raise ConfigError(f"Could not apply the overrides {' '.join(overrides)}: {text}{hint}",
                           title="invalid override") from None
     finally:
         GlobalHydra.instance().clear()

@@ -272,7 +272,8 @@ class AlarmsConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = _f("ckpt", "run directory: config, metrics and step_N/ checkpoints")
+    dir: str = _f("ckpt", "run directory: config, metrics and step_N/ checkpoints (a leading ~ is your home)",
+                  expand_user=True)
     save_freq: int = _f(20, "save every N steps (and at the end); 0 = only at the end", min=0)
     keep_last: int = _f(2, "complete checkpoints to keep; older ones are pruned; 0 = keep all", min=0)
     overwrite: bool = _f(False, "allow a new run to replace an existing run directory (every file of the old run is deleted; files that are not the run's are kept)")

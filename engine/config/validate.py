@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
@@ -112,6 +113,9 @@ def coerce_value(key: str, f, value: Any) -> Any:
             v = "on" if v else "off"  # YAML 1.1 reads an unquoted off/on as a boolean
         ok = isinstance(v, str) or (v is None)
         v = "" if v is None else v
+        if ok and meta.get("expand_user"):  # a path: `~/runs/a` is the home's, as model.path and task.path are
+            # (it was a directory literally named `~` in the current one)
+            v = os.path.expanduser(v)
         allowed = "a string"
     elif tname == "list":
         ok = isinstance(v, (list, tuple))
