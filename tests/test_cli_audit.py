@@ -194,3 +194,21 @@ def test_an_unquoted_special_character_gets_the_quoting_fix():
     _no_traceback(r)
     text = flat(r.stderr)
     assert r.exit_code == 2 and "must be quoted" in text and "'checkpoint.dir=\"~/runs/a\"'" in text, text
+
+
+@pytest.mark.parametrize("field", [{"rank": None}, {"step": float("nan")}, {"peak_rss": "12"},
+                                   {"categories": {"params": None}}])
+def test_mem_report_of_a_record_with_a_wrong_typed_field_is_a_clean_error(tmp_path, field):
+    """A memory.jsonl row with a null rank or a NaN step was a TypeError traceback (sorting the
+    phases); it is a damaged file, named with its line and field."""
+    d = tmp_path / "run"
+    d.mkdir()
+    good = {"phase": "rollout", "step": 1, "rank": 0, "device": "cpu", "seconds": 0.1,
+            "categories": {"params": 1024}, "rss": 1 << 20, "peak_rss": 1 << 20}
+    (d / "memory.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({**good, **field}) + "\n")
+    for args in ([], ["--json"]):
+        r = cli("mem-report", str(d), *args)
+        _no_traceback(r)
+        assert r.exit_code == 2 and "line 2" in flat(r.stderr) and next(iter(field)) in flat(r.stderr), r.output
+    (d / "memory.jsonl").write_text(json.dumps(good) + "\n")
+    assert cli("mem-report", str(d)).exit_code == 0

@@ -58,6 +58,30 @@ class _JSON:
         return {f.name: _clean(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
 
+# PhaseRecord fields that are read as numbers, strings or containers: (accepted type names, wording)
+_RECORD_TYPES = {"phase": (("str",), "a string"), "device": (("str",), "a string"),
+                 "step": (("int",), "an integer"), "rank": (("int",), "an integer"),
+                 "seconds": (("int", "float"), "a number"), "categories": (("dict",), "a mapping"),
+                 "host_offload": (("dict",), "a mapping"), "offload": (("dict", "None"), "a mapping or null"),
+                 "notes": (("list",), "a list"),
+                 **{k: (("int", "float", "None"), "a number or null") for k in (
+                     "allocated", "reserved", "peak_allocated", "peak_reserved", "device_used", "device_total",
+                     "non_torch", "rss", "peak_rss")}}
+
+
+def _is_a(v, want: tuple) -> bool:
+    import math
+
+    kinds = want[0]
+    if v is None:
+        return "None" in kinds
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, (int, float)) and not isinstance(v, int) and not math.isfinite(v):
+        return False
+    return type(v).__name__ in kinds
+
+
 @dataclass
 class PhaseRecord(_JSON):
     """What one rank measured during one phase of one step.
@@ -88,8 +112,18 @@ class PhaseRecord(_JSON):
 
     @classmethod
     def from_json(cls, d: dict) -> "PhaseRecord":
+        """Raises ValueError naming the field when a value has the wrong type (a damaged or edited
+        memory.jsonl: a null rank or a NaN byte count was a TypeError traceback in `rl mem-report`)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kept = {k: v for k, v in d.items() if k in names}
+        for k, v in kept.items():
+            want = _RECORD_TYPES.get(k)
+            if want is not None and not _is_a(v, want):
+                raise ValueError(f"`{k}` is {v!r}, not {want[1]}")
+        for k, v in (kept.get("categories") or {}).items():
+            if not _is_a(v, (("int", "float"), "a number")):
+                raise ValueError(f"`categories.{k}` is {v!r}, not a number")
+        return cls(**kept)
 
     @property
     def peak_bytes(self) -> Optional[int]:
