@@ -254,3 +254,50 @@ def test_prompt_past_the_models_positions_is_refused(tmp_path, reward):
         assert max(len(p) for p in ok.train_prompts + ok.val_prompts) + 12 <= 128
     finally:
         ok.rewards.close()
+
+
+# ---- what users take out: `rl export` when the disk fills up -------------------------------------
+def test_export_that_fills_the_disk_is_a_user_error_and_leaves_nothing(tmp_path):
+    """`rl export --out <a full tmpfs>` was a SafetensorError traceback ("I/O error: No space left
+    on device (os error 28)": safetensors' writer raises no OSError): now one UserError, the
+    staging directory removed, and an existing --out (with --overwrite) left as it was."""
+    import errno
+
+    from engine.errors import UserError
+    from engine.export.staging import staged_dir
+
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"--out .*out: writing the export failed: the disk is full \(No space left "
+                                        r"on device\)\. Nothing was left at --out;"):
+        with staged_dir(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x" * 100)
+            raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert list(tmp_path.iterdir()) == []
+    out.mkdir()
+    (out / "keep.txt").write_text("old export")
+    with pytest.raises(UserError, match=r"disk quota is exceeded .*\(the old directory is unchanged\)"):
+        with staged_dir(out):
+            raise RuntimeError("while saving") from OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "keep.txt").read_text() == "old export"
+    with pytest.raises(ValueError, match="a bug"):  # not the file system's fault: not hidden
+        with staged_dir(tmp_path / "other"):
+            raise ValueError("a bug")
+    assert not (tmp_path / "other").exists()
+
+
+def test_export_stopped_by_sigterm_leaves_no_staging_directory(tmp_path):
+    """`kill <rl export>` (SIGTERM, what job schedulers send) ended Python without its `finally`:
+    the half-written `.<out>.tmp-*` directory (the model's size) stayed behind. Now SIGTERM while
+    staging is SystemExit(143): nothing is left, and the previous handler is back afterwards."""
+    import os
+    import signal
+
+    from engine.export.staging import staged_dir
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with staged_dir(tmp_path / "out") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x" * 100)
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 143 and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,8 +87,34 @@ def _umask_permissions(root: Path) -> None:
 
 
 @contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, a job scheduler stopping the job) ends a Python process without running
+    ``finally`` blocks, which left the half-written staging directory behind (the size of the
+    model). While staging it raises SystemExit(143) instead, so the cleanup below runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextmanager
 def staged_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out``."""
+    with _sigterm_as_exit():
+        with _staged_dir(out) as tmp:
+            yield tmp
+
+
+@contextmanager
+def _staged_dir(out: Path) -> Iterator[Path]:
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +137,46 @@ def staged_dir(out: Path) -> Iterator[Path]:
         fsync_dir(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - only a file-system failure becomes a UserError; the rest re-raises
+        problem = None if isinstance(e, UserError) else write_problem(e, tmp)  # asked before tmp is removed
+        if problem is None:
+            raise
+        from engine.user_paths import shown
+
+        raise UserError(f"--out {shown(out)}: writing the export failed: {problem}. Nothing was left at --out"
+                        f"{' (the old directory is unchanged)' if out.exists() else ''}; free space or choose "
+                        f"another --out, and export again.", title="cannot write there") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                 errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                 errno.EIO: "the device reported an I/O error"}
+
+
+def write_problem(e: BaseException, where: Path) -> str | None:
+    """What a failed write means, when the file system is to blame (None otherwise): an OSError in
+    ``e``'s chain, the "os error N" safetensors' Rust writer puts in its message (it raises
+    SafetensorError, not OSError), or a file system under ``where`` that is now full or read-only."""
+    import re
+
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        code = x.errno if isinstance(x, OSError) else None
+        m = None if code else re.search(r"os error (\d+)", str(x))
+        code = code or (int(m.group(1)) if m else None)
+        if code in _WRITE_ERRNOS:
+            return f"{_WRITE_ERRNOS[code]} ({os.strerror(code)})"
+        x = x.__cause__ or x.__context__
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return f"{_WRITE_ERRNOS[errno.EROFS]} ({os.strerror(errno.EROFS)})"
+    if st.f_bavail == 0:
+        return f"{_WRITE_ERRNOS[errno.ENOSPC]} ({os.strerror(errno.ENOSPC)})"
+    return None
