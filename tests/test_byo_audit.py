@@ -301,3 +301,44 @@ def test_export_stopped_by_sigterm_leaves_no_staging_directory(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
     assert e.value.code == 143 and list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+NUMPY_REWARDS = '''
+import numpy as np
+
+def np_batched(prompts, completions, **kw):
+    return np.array([len(c) / 10 for c in completions])
+
+def gen_batched(prompts, completions, **kw):
+    return (1.0 for _ in completions)
+
+def np_one_too_few(prompts, completions, **kw):
+    return np.ones(len(prompts) - 1)
+
+def huge(prompt, response, answer):
+    return 10 ** 400
+'''
+
+
+def test_batched_reward_may_return_a_numpy_array(tmp_path, monkeypatch):
+    """A TRL-style batched reward returning `np.array([...])` (or a generator) of the right length
+    was refused with "returned 3 value(s) for a batch of 3"; an int too big for a float was an
+    OverflowError blamed on rl's own as_score."""
+    from engine.rewards.call import Sample
+    from engine.rewards.compute import RewardError, RewardRunner
+    from engine.rewards.spec import RewardFnSpec
+
+    (tmp_path / "np_rewards.py").write_text(NUMPY_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    samples = [Sample("p", "x" * n, "", {}, f"t.jsonl row {n}") for n in (1, 2, 3)]
+
+    def score(name, batched=True):
+        return RewardRunner([RewardFnSpec(name, f"np_rewards:{name}", 1.0, batched)]).score(samples)
+
+    assert score("np_batched").total == pytest.approx([0.1, 0.2, 0.3])
+    assert score("gen_batched").total == [1.0, 1.0, 1.0]
+    with pytest.raises(RewardError, match=r"returned 2 value\(s\) for a batch of 3"):
+        score("np_one_too_few")
+    with pytest.raises(RewardError, match=r"bad return value: returned 1000.*, not a number a float can hold") as e:
+        score("huge", batched=False)
+    assert "OverflowError" not in e.value.message

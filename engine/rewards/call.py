@@ -99,8 +99,8 @@ def as_score(value) -> tuple[float, Optional[bool]]:
     if isinstance(value, (numbers.Real, bool)) or (hasattr(value, "__float__") and not isinstance(value, str)):
         try:
             score = float(value)
-        except (TypeError, ValueError):
-            raise BadValue(f"returned {value!r}, not a number") from None
+        except (TypeError, ValueError, OverflowError):
+            raise BadValue(f"returned {value!r:.80}, not a number a float can hold") from None
         if math.isnan(score) or math.isinf(score):
             raise BadValue(f"returned {score}; a reward must be finite")
         return score, correct
@@ -113,6 +113,22 @@ def as_correct(value) -> bool:
     if isinstance(value, (bool, numbers.Real)) or hasattr(value, "__bool__"):
         return bool(value)
     raise BadValue(f"returned {value!r:.80}; a correctness check returns a bool")
+
+
+def batch_values(out, n: int) -> list:
+    """A batched reward's return value as a list of ``n`` values: a list or tuple, a 1-D numpy array
+    or torch tensor (``tolist()``), or any other iterable but text and mappings (a generator)."""
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
+        out = out.tolist()  # numpy / torch: their scalars become Python numbers
+    elif not isinstance(out, (list, tuple, str, bytes, dict)) and hasattr(out, "__iter__"):
+        out = list(out)
+    if not isinstance(out, (list, tuple)):
+        raise BadValue(f"returned {type(out).__name__} {out!r:.80} for a batch of {n}; a batched reward returns a "
+                       f"list with one value per completion")
+    if len(out) != n:
+        raise BadValue(f"returned {len(out)} value(s) for a batch of {n}; a batched reward returns one value per "
+                       f"completion")
+    return list(out)
 
 
 def _where(exc: BaseException) -> str:
@@ -129,12 +145,7 @@ def run_call(target: str, batched: bool, role: str, samples: list[Sample]) -> tu
     try:
         fn = resolve(target)
         if batched:
-            out = call_batched(fn, samples)
-            if not isinstance(out, (list, tuple)) or len(out) != len(samples):
-                n = len(out) if hasattr(out, "__len__") else type(out).__name__
-                raise BadValue(f"returned {n} value(s) for a batch of {len(samples)}; a batched reward returns one "
-                               f"value per completion")
-            values = list(out)
+            values = batch_values(call_batched(fn, samples), len(samples))
         else:
             values = [call_per_sample(fn, s) for s in samples]
         if role == "correct":
