@@ -342,3 +342,16 @@ def test_batched_reward_may_return_a_numpy_array(tmp_path, monkeypatch):
     with pytest.raises(RewardError, match=r"bad return value: returned 1000.*, not a number a float can hold") as e:
         score("huge", batched=False)
     assert "OverflowError" not in e.value.message
+
+
+def test_reward_given_as_a_file_path_says_the_module_name_to_use(tmp_path, monkeypatch):
+    """verl names its reward by file (custom_reward_function.path): `task.reward_fn=./rewards.py:score`
+    was a TypeError traceback ("the 'package' argument is required"); `/abs/rewards.py:score`
+    said "No module named '/abs/rewards'"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    for spec, use in (("./rewards.py:score", "`task.reward_fn=rewards:score`"),
+                      (f"{tmp_path}/rewards.py:score", "`task.reward_fn=rewards:score`"),
+                      ("sub/rewards.py:score", "`PYTHONPATH=sub rl ... task.reward_fn=rewards:score`")):
+        with pytest.raises(ConfigError, match=rf"names a file; .*use {use}"):
+            user_reward_specs(TaskConfig(name="dataset", reward_fn=spec))

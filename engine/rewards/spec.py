@@ -53,6 +53,16 @@ def target_of(spec: str, key: str) -> str:
         raise ConfigError(f"`{key}={spec}` must look like `module:function` (e.g. mypkg.rewards:exact_match) or "
                           f"name a built-in (`rl:math_boxed`, `rl:gsm8k`, `rl:exact_match`, ...).",
                           title="invalid config value")
+    module = spec.rsplit(":", 1)[0]
+    if module.endswith(".py") or "/" in module or "\\" in module:  # a file path (verl's custom_reward_function.path)
+        file = Path(os.path.expanduser(module))
+        fn = spec.rsplit(":", 1)[1]
+        name = file.name[:-3] if file.name.endswith(".py") else file.name
+        here = file.parent.resolve() == Path.cwd().resolve() if file.parent != Path("") else True
+        how = (f"`{key}={name}:{fn}`" if here else
+               f"`PYTHONPATH={file.parent} rl ... {key}={name}:{fn}` (or run rl from {file.parent})")
+        raise ConfigError(f"`{key}={spec}` names a file; rewards are named as an importable `module:function`, "
+                          f"with the current directory importable: use {how}.", title="invalid config value")
     return spec
 
 
