@@ -355,3 +355,27 @@ def test_reward_given_as_a_file_path_says_the_module_name_to_use(tmp_path, monke
                       ("sub/rewards.py:score", "`PYTHONPATH=sub rl ... task.reward_fn=rewards:score`")):
         with pytest.raises(ConfigError, match=rf"names a file; .*use {use}"):
             user_reward_specs(TaskConfig(name="dataset", reward_fn=spec))
+
+
+def test_export_never_takes_another_directorys_model_when_the_trained_one_is_gone(tmp_path, llama_dir,
+                                                                                     monkeypatch):
+    """The run trained `model.path=m/llama` (recorded as /abs/.../m/llama). Once that directory was
+    gone, export resolved `m/llama` again from the current directory: another model there gave its
+    config and tokenizer to the export silently (or a "hub id not cached, hf download m/llama"
+    message). Now the recorded directory is named, and nothing else is read."""
+    import shutil
+
+    from engine.config.schema import ModelConfig, RunConfig
+    from engine.errors import UserError
+    from engine.export.base_model import base_dir
+
+    trained = tmp_path / "a" / "m" / "llama"
+    shutil.copytree(llama_dir, trained)
+    shutil.copytree(llama_dir, tmp_path / "b" / "m" / "llama")  # a different place with the same relative name
+    cfg = RunConfig(model=ModelConfig(path="m/llama"))
+    manifest = {"model": {"resolved_path": str(trained)}}
+    monkeypatch.chdir(tmp_path / "b")
+    assert base_dir(manifest, cfg) == str(trained)
+    shutil.rmtree(trained)
+    with pytest.raises(UserError, match=rf"The model directory this run trained from, {trained} .* is gone"):
+        base_dir(manifest, cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, UserError
 
 
 @dataclass
@@ -39,6 +39,13 @@ def base_dir(manifest: dict, cfg) -> str:
     recorded = (manifest.get("model") or {}).get("resolved_path") or ""
     if recorded and os.path.isfile(os.path.join(recorded, "config.json")):
         return recorded
+    if recorded and "/snapshots/" not in recorded.replace(os.sep, "/"):
+        # a local directory, not a hub-cache snapshot: resolving model.path again would read it relative to
+        # this shell's directory, and could find another model's config and tokenizer there
+        raise UserError(f"The model directory this run trained from, {recorded} (the checkpoint's manifest: "
+                        f"model.resolved_path), is gone or has no config.json; export takes the model's config and "
+                        f"tokenizer from it. Put the model back at that path (or a symbolic link to a copy of it), "
+                        f"and export again.", title="base model not found")
     from engine.model.presets import resolve_model_path
 
     return resolve_model_path(cfg.model)  # "" for tiny; ConfigError when it cannot be found
