@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,6 +40,27 @@ def render_config(loaded, json_out: bool, report=None) -> None:
         from rlcli.render.preflight import preflight_table
 
         console.print(preflight_table(report))
+
+
+@contextmanager
+def stdout_to_stderr(on: bool):
+    """Under --json, stdout holds the JSON document only: whatever else the run writes there (a
+    reward function's print, a library's, a spawned reward worker's) goes to stderr. At the file
+    descriptor, so child processes started meanwhile inherit it."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved, stdout = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr  # also when sys.stdout is not fd 1 (an embedding program, a test runner)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stdout = stdout
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_refs=None) -> None:
@@ -77,8 +101,12 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
-            summary = call_engine(train, cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
-                                  on_event=on_event, resume=resume, env_refs=env_refs)
+            def run():
+                with stdout_to_stderr(json_out):  # restored before call_engine prints an error's JSON
+                    return train(cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
+                                 on_event=on_event, resume=resume, env_refs=env_refs)
+
+            summary = call_engine(run)
         finally:
             phases.close()
     except KeyboardInterrupt:

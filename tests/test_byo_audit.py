@@ -379,3 +379,26 @@ def test_export_never_takes_another_directorys_model_when_the_trained_one_is_gon
     shutil.rmtree(trained)
     with pytest.raises(UserError, match=rf"The model directory this run trained from, {trained} .* is gone"):
         base_dir(manifest, cfg)
+
+
+def test_json_stdout_holds_only_the_json_while_rewards_print(capfd):
+    """`rl train --json` with a reward function that prints (on the driver, or in a spawned reward
+    worker) mixed those lines into stdout: `json.loads(stdout)` failed. While the run runs, stdout
+    (the file descriptor, which child processes inherit) goes to stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from rlcli.run_render import stdout_to_stderr
+
+    with stdout_to_stderr(True):
+        print("a reward's print")
+        os.write(1, b"a library writing to fd 1\n")
+        subprocess.run([sys.executable, "-c", "print('a reward worker process')"], check=True)
+    print('{"steps_run": 1}')
+    out, err = capfd.readouterr()
+    assert out == '{"steps_run": 1}\n', (out, err)
+    assert all(s in err for s in ("a reward's print", "a library writing to fd 1", "a reward worker process"))
+    with stdout_to_stderr(False):
+        print("plain")
+    assert capfd.readouterr().out == "plain\n"
