@@ -402,3 +402,22 @@ def test_json_stdout_holds_only_the_json_while_rewards_print(capfd):
     with stdout_to_stderr(False):
         print("plain")
     assert capfd.readouterr().out == "plain\n"
+
+
+def test_directory_whose_extra_files_datasets_would_skip_is_refused(tmp_path, reward):
+    """A directory with train.parquet beside extra.jsonl (or train.jsonl): `load_dataset(dir)`
+    reads the split-named file and skips the rest silently; a run trained on a third of the data."""
+    import datasets
+
+    d = tmp_path / "data"
+    d.mkdir()
+    datasets.Dataset.from_list(ROWS[:4]).to_parquet(str(d / "train.parquet"))
+    (d / "extra.jsonl").write_text(jsonl(ROWS[4:]))
+    (d / "README.md").write_text("# my data\n")
+    with pytest.raises(ConfigError, match=r"files named by split \(train\) and would skip extra.jsonl: their rows "
+                                          r"would not be trained on"):
+        task(d, reward)
+    (d / "extra.jsonl").unlink()
+    datasets.Dataset.from_list(ROWS[4:]).to_parquet(str(d / "test.parquet"))
+    t = task(d, reward, val_split="test")
+    assert len(t.train) == 4 and t.data_info["val_split"] == "test"

@@ -95,6 +95,29 @@ def _no_rows(p: Path, builder: str) -> str:
     return "it is an empty JSON list" if lines[0] in ("[]", "{}") else ""
 
 
+_METADATA_JSON = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
+def _ignored_files(datasets, root: Path) -> list[str]:
+    """Data files under ``root`` (by extension) that `load_dataset(root)` does not read: once some
+    files are named by split (train.parquet), the others are skipped silently."""
+    try:
+        used = {os.path.realpath(f) for files in datasets.load_dataset_builder(str(root)).config.data_files.values()
+                for f in files}
+    except Exception:  # noqa: BLE001 - the dataset loaded; this check only adds a refusal
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for f in sorted(filenames):
+            full = Path(dirpath) / f
+            if f.startswith(".") or f in _METADATA_JSON or BUILDERS.get(data_suffix(full)) is None:
+                continue
+            if os.path.realpath(full) not in used:
+                out.append(str(full.relative_to(root)))
+    return out
+
+
 def looks_like_name(path: str) -> bool:
     return not path.startswith((".", "/", "~")) and data_suffix(Path(path)) not in BUILDERS and \
         path.count("/") <= 1 and all(p for p in path.split("/"))
@@ -145,6 +168,14 @@ def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", spl
             raise _unreadable(f"the directory {p}", e, "Point task.path at a data file, a save_to_disk directory, "
                               "or a directory of Parquet/JSONL files named by split (train.parquet, "
                               "test.parquet).") from None
+        ignored = _ignored_files(datasets, p)
+        if ignored:
+            raise ConfigError(f"`task.path={path}`: `datasets` reads this directory's files named by split "
+                              f"({', '.join(sorted(str(k) for k in d))}) and would skip "
+                              f"{', '.join(ignored[:5])}{', ...' if len(ignored) > 5 else ''}: their rows would not "
+                              f"be trained on. Name every data file by its split, in one format (train.jsonl, "
+                              f"test.jsonl; several for a split as train-00000-of-00002.jsonl, ...), move the others "
+                              f"out, or point task.path at one file.", title="invalid dataset")
         return OpenedDataset(_as_splits(d, split), str(p), "directory")
     if looks_like_name(path):
         return _open_cached(datasets, path, subset)
