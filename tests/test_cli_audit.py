@@ -212,3 +212,35 @@ def test_mem_report_of_a_record_with_a_wrong_typed_field_is_a_clean_error(tmp_pa
         assert r.exit_code == 2 and "line 2" in flat(r.stderr) and next(iter(field)) in flat(r.stderr), r.output
     (d / "memory.jsonl").write_text(json.dumps(good) + "\n")
     assert cli("mem-report", str(d)).exit_code == 0
+
+
+@pytest.mark.parametrize("args", [
+    ["trainer.nprocs=2", "data.train_batch_size=1", "algorithm.rollout_n=1"],
+    ["trainer.nprocs=4", "data.train_batch_size=4", "algorithm.rollout_n=2", "algorithm.ppo_mini_batch_size=1"],
+])
+def test_fewer_sequences_per_update_than_ranks_is_refused(args, tmp_path):
+    """A rank with no sequence to train on failed in the rank (`0 rows cannot make 1 micro-batches`,
+    a RayTaskError traceback, after the ranks had started); and with fewer prompts than ranks the
+    rollout failed first (`range() arg 3 must not be zero`)."""
+    r = cli("train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", *args)
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "below the data-parallel ranks" in text and "lower trainer.nprocs" in text, text
+    ok = cli("train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", "trainer.nprocs=2",
+             "data.train_batch_size=1", "algorithm.rollout_n=2")  # 2 sequences for 2 ranks: fine
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.slow
+def test_held_out_set_smaller_than_the_ranks_validates(tmp_path):
+    """task.num_val=1 on 2 ranks: one rank's share of the validation prompts is empty. It raised in
+    the sampler (a traceback); merely skipping it hung the other rank in the first forward's FSDP
+    all-gather. The empty rank now samples a filler prompt whose output is dropped."""
+    from tests.cli_utils import rl
+
+    d = tmp_path / "run"
+    r = rl("train", "trainer.nprocs=2", "task.num_val=1", "trainer.val_freq=1", "trainer.total_steps=1",
+           "data.train_batch_size=2", "algorithm.rollout_n=2", f"checkpoint.dir={d}", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (d / "validation.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1], rows

@@ -278,6 +278,18 @@ def check_cross_field(cfg: RunConfig) -> None:
                           f"{t.nnodes * max(1, t.ranks_per_node or t.nprocs // t.nnodes)} or change the node layout.",
                           title="invalid config")
     e = cfg.engine
+    mp = e.tensor_model_parallel_size * e.pipeline_model_parallel_size * e.context_parallel_size \
+        if e.name == "megatron" else 1
+    dp = max(1, t.nprocs // mp)
+    prompts = cfg.algorithm.ppo_mini_batch_size or cfg.data.train_batch_size  # per optimizer step
+    if prompts * cfg.algorithm.rollout_n < dp:  # a rank with no sequence to train on: a traceback from it
+        what = "algorithm.ppo_mini_batch_size" if cfg.algorithm.ppo_mini_batch_size else "data.train_batch_size"
+        raise ConfigError(
+            f"`{what}` x `algorithm.rollout_n` ({prompts} x {cfg.algorithm.rollout_n} = "
+            f"{prompts * cfg.algorithm.rollout_n} sequences per optimizer step) is below the data-parallel ranks "
+            f"({dp}: trainer.nprocs={t.nprocs}{f' / {mp} model-parallel' if mp > 1 else ''}): every rank trains on "
+            f"its share of each update, so each needs at least one sequence. Raise {what} or "
+            f"algorithm.rollout_n, or lower trainer.nprocs.", title="invalid config")
     from engine.batching.validate import validate_run_padding
 
     validate_run_padding(cfg)

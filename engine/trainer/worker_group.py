@@ -207,7 +207,11 @@ class WorkerGroup:
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False):
         slices = shard_slices(len(prompts), self.dp_size)
         shards = [prompts[s] for s in slices]
-        args = [(shards[inf["dp_rank"]], n, greedy) for inf in self.info]
+        # fewer prompts than data-parallel ranks (a held-out set smaller than trainer.nprocs): a rank
+        # whose share is empty samples the first prompt anyway and its output is dropped below. It
+        # must sample: its first forward gathers each FSDP layer's weights, a collective the other
+        # ranks wait in (an empty share was a traceback from the sampler; skipping it, a hang)
+        args = [(shards[inf["dp_rank"]] or prompts[:1], n, greedy) for inf in self.info]
         out = self._all("generate", args, "rollout")
         from engine.batch import SequenceBatch
 
