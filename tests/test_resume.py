@@ -375,8 +375,8 @@ def test_dry_run_table_groups_rng_ranks_at_any_world_size(small_run):
     """The plan keeps RNG per rank, but the table shows one row per run of ranks restored the
     same way: a resume onto many ranks is a few lines, not one row each (rendering one row per
     rank took minutes at tens of thousands of ranks)."""
-    # 8 ranks: the most this run's 4 prompts x 2 samples can feed (a rank with no sequence to train
-    # on is refused since the audit of 2026-12-02; 4096 ranks needed 4096 sequences per update)
+    # 8 ranks (this run's 4 prompts x 8 samples feed at most 32: a rank with no sequence to train on
+    # is refused since the audit of 2026-12-02, so 4096 ranks would need 4096 sequences per update)
     r = _cli("resume", str(small_run), "trainer.total_steps=8", "trainer.nprocs=8", "--dry-run")
     assert r.exit_code == 0, r.output
     out = r.output
