@@ -421,3 +421,13 @@ def test_directory_whose_extra_files_datasets_would_skip_is_refused(tmp_path, re
     datasets.Dataset.from_list(ROWS[4:]).to_parquet(str(d / "test.parquet"))
     t = task(d, reward, val_split="test")
     assert len(t.train) == 4 and t.data_info["val_split"] == "test"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le"])
+def test_utf16_file_says_to_save_it_as_utf8(tmp_path, reward, encoding):
+    """A JSONL saved as UTF-16 (Windows tools do) was "JSON parse error: Invalid value. in row 0"."""
+    (tmp_path / "w.jsonl").write_text(jsonl(ROWS), encoding=encoding)
+    with pytest.raises(ConfigError, match=r"w.jsonl` is UTF-16 text; JSON/JSONL/CSV are read as UTF-8"):
+        task(tmp_path / "w.jsonl", reward)
+    (tmp_path / "ok.jsonl").write_text(jsonl(ROWS), encoding="utf-8-sig")  # a UTF-8 BOM is fine
+    assert len(task(tmp_path / "ok.jsonl", reward).train) == len(ROWS)

@@ -95,6 +95,16 @@ def _no_rows(p: Path, builder: str) -> str:
     return "it is an empty JSON list" if lines[0] in ("[]", "{}") else ""
 
 
+def _utf16(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(head) == 4 and (head[1::2] == b"\0\0" or
+                                                                           head[0::2] == b"\0\0"))
+
+
 _METADATA_JSON = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
 
 
@@ -153,6 +163,10 @@ def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", spl
             if why:
                 raise ConfigError(f"`task.path={path}` has no rows: {why}. Point task.path at the file that holds "
                                   f"your prompts, or fill it in (one row per prompt).", title="invalid dataset") from None
+            if builder in ("json", "csv") and _utf16(p):
+                raise ConfigError(f"`task.path={path}` is UTF-16 text; JSON/JSONL/CSV are read as UTF-8. Save it as "
+                                  f"UTF-8 (e.g. `iconv -f UTF-16 -t UTF-8 {p.name} > {p.stem}.utf8{p.suffix}`).",
+                                  title="invalid dataset") from None
             raise _unreadable(str(p), e, f"Check that it is valid {builder.upper()}.") from None
         return OpenedDataset(_as_splits(d, split), str(p), "file")
     if p.is_dir():
