@@ -54,7 +54,8 @@ def check_columns(columns: list[str], fmt: str, prompt_key: str, answer_key: str
         raise ConfigError(f"{origin} has no `{prompt_key}` column (task.prompt_key).{hint} Columns: {shown}. Set "
                           f"task.prompt_key=<the prompt's column>.", title="invalid dataset")
     if fmt != "verl" and answer_key != "answer" and answer_key not in columns:
-        raise ConfigError(f"{origin} has no `{answer_key}` column (task.answer_key).{_did_you_mean(answer_key, columns)}"
+        hint = _did_you_mean(answer_key, columns)
+        raise ConfigError(f"{origin} has no `{answer_key}` column (task.answer_key).{hint}"
                           f" Columns: {shown}. Set task.answer_key=<the reference answer's column>, or leave it at "
                           f"its default (`answer`, optional) when the rows have none.", title="invalid dataset")
 

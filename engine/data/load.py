@@ -162,7 +162,8 @@ def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", spl
             why = _no_rows(p, builder)
             if why:
                 raise ConfigError(f"`task.path={path}` has no rows: {why}. Point task.path at the file that holds "
-                                  f"your prompts, or fill it in (one row per prompt).", title="invalid dataset") from None
+                                  f"your prompts, or fill it in (one row per prompt).",
+                                  title="invalid dataset") from None
             if builder in ("json", "csv") and _utf16(p):
                 raise ConfigError(f"`task.path={path}` is UTF-16 text; JSON/JSONL/CSV are read as UTF-8. Save it as "
                                   f"UTF-8 (e.g. `iconv -f UTF-16 -t UTF-8 {p.name} > {p.stem}.utf8{p.suffix}`).",

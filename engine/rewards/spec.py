@@ -75,7 +75,7 @@ def import_target(target: str, name: Optional[str] = None, key: str = "task.rewa
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
-        if e.name and e.name != mod_name and not mod_name.startswith(e.name + "."):  # found, but it imports a missing one
+        if e.name and e.name != mod_name and not mod_name.startswith(e.name + "."):  # found; what it imports is not
             raise ConfigError(f"`{key}={shown}`: importing `{mod_name}` failed: it imports `{e.name}`, which is not "
                               f"installed ({e}){_at(e)}. Install `{e.name}` in this environment, or remove that "
                               f"import.", title="invalid config value") from None
