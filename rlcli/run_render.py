@@ -109,16 +109,28 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
             summary = call_engine(run)
         finally:
             phases.close()
+    except SystemExit as e:  # SIGTERM during the run (engine/trainer/ray_cluster.py): stopped like Ctrl-C
+        from engine.trainer.ray_cluster import TERMINATED_EXIT
+
+        if e.code != TERMINATED_EXIT:
+            raise
+        _stopped(cfg, "terminated (SIGTERM)", TERMINATED_EXIT)
     except KeyboardInterrupt:
-        import typer
-
-        from engine.checkpoint.layout import latest_complete
-
-        latest = latest_complete(Path(cfg.checkpoint.dir))
-        where = (f"latest complete checkpoint: {latest.path} (continue with `rl resume {cfg.checkpoint.dir}`)"
-                 if latest else "no checkpoint had been saved yet")
-        print_json_error(f"interrupted: workers and Ray stopped; {where}.", "interrupted", 130)
-        stderr_console().print(f"[red]interrupted[/]: workers and Ray stopped; {where}.")
-        raise typer.Exit(130)
+        _stopped(cfg, "interrupted", 130)
     if json_out:
         print_json(summary.to_json())
+
+
+def _stopped(cfg, how: str, code: int) -> None:
+    """A run stopped by a signal (Ctrl-C, SIGTERM): the workers and Ray are already stopped; say
+    where it can continue from and exit with ``code``."""
+    import typer
+
+    from engine.checkpoint.layout import latest_complete
+
+    latest = latest_complete(Path(cfg.checkpoint.dir))
+    where = (f"latest complete checkpoint: {latest.path} (continue with `rl resume {cfg.checkpoint.dir}`)"
+             if latest else "no checkpoint had been saved yet")
+    print_json_error(f"{how}: workers and Ray stopped; {where}.", how, code)
+    stderr_console().print(f"[red]{how}[/]: workers and Ray stopped; {where}.")
+    raise typer.Exit(code)

@@ -244,3 +244,41 @@ def test_held_out_set_smaller_than_the_ranks_validates(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (d / "validation.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1], rows
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
+    """`kill PID` (or `timeout`, a job scheduler) during a run: Ray's handler printed a stack dump
+    ("*** SIGTERM received ... PC: @ ...") and the process exited 15 at once. Now the workers and
+    Ray are stopped as on Ctrl-C, the message names the checkpoint to resume, and the exit code is
+    143; nothing of the run's process group is left, and the run resumes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.cli_utils import _rl_argv, _rl_env
+
+    d = tmp_path / "run"
+    p = subprocess.Popen(_rl_argv(["train", "--json", "trainer.total_steps=30", "checkpoint.save_freq=1",
+                                   "data.train_batch_size=8", "algorithm.rollout_n=4", f"checkpoint.dir={d}"], ""),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_rl_env(None),
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (d / "step_1" / "manifest.json").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err and "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert json.loads(out)["error"]["exit_code"] == 143
+    time.sleep(1)
+    ps = subprocess.run(["ps", "-eo", "pid,pgid"], capture_output=True, text=True).stdout.split("\n")[1:]
+    assert not [row for row in ps if row.split()[1:] == [str(p.pid)]], ps
+    r = cli("resume", str(d), "--dry-run", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["step"] >= 1, r.output
