@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import typer
 
@@ -37,8 +38,23 @@ def main() -> None:
     try:
         app()
     except SystemExit as e:
+        usage_error_json(e.code, sys.argv[1:])
         leave(e.code)
     leave(0)
+
+
+def usage_error_json(code, argv: list[str]) -> None:
+    """`--json` given but the command line itself was refused (an unknown option, a missing
+    argument): click printed its usage error on stderr before any command ran, and stdout stayed
+    empty. Print the error as the one JSON document stdout holds under --json."""
+    if code != 2 or "--json" not in argv:  # checked first: a TAB's exit imports nothing more
+        return
+    from rlcli.output import json_errors, json_state, print_json_error
+
+    if not json_state()["on"]:  # the command never started (it sets the state first thing)
+        json_errors(True)
+        print_json_error("the command line is not valid: see the usage message on stderr (`rl <command> --help`).",
+                         "usage error", 2)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ def strict_json_value(obj: Any) -> Any:
 _json_state = {"on": False, "printed": False}
 
 
+def json_state() -> dict:
+    """Whether a command asked for JSON (``on``) and already printed its document (``printed``)."""
+    return dict(_json_state)
+
+
 def json_errors(on: bool) -> None:
     """Called first by every command that takes --json (a process may run several commands)."""
     _json_state.update(on=bool(on), printed=False)

@@ -282,3 +282,22 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     assert not [row for row in ps if row.split()[1:] == [str(p.pid)]], ps
     r = cli("resume", str(d), "--dry-run", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["step"] >= 1, r.output
+
+
+def test_a_refused_command_line_under_json_is_json_too(capsys):
+    """`rl plot --json` (missing argument) or an unknown option: click's usage error went to stderr
+    before any command ran, and stdout stayed empty under --json."""
+    from rlcli.main import usage_error_json
+    from rlcli.output import json_errors
+
+    json_errors(False)  # as at process start: no command ran
+    usage_error_json(2, ["plot", "--json"])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["exit_code"] == 2 and err["title"] == "usage error"
+    for code, argv in ((2, ["plot"]), (0, ["plot", "--json"])):  # no --json / not an error: nothing
+        json_errors(False)
+        usage_error_json(code, argv)
+        assert capsys.readouterr().out == ""
+    json_errors(True)  # the command ran with --json and reported its own error: no second document
+    usage_error_json(2, ["plot", "--json"])
+    assert capsys.readouterr().out == ""
