@@ -135,7 +135,7 @@ def test_json_output_is_json_on_error_too(args, tmp_path):
     assert r.exit_code == 2, r.output
     err = json.loads(r.stdout)["error"]
     assert err["exit_code"] == 2 and err["title"] and err["message"], err
-    assert err["message"].split()[0] in flat(r.stderr)
+    assert err["message"].split()[0] in "".join(flat(r.stderr).split())  # the panel may wrap a long path
 
 
 def test_json_error_never_adds_a_second_document(tmp_path):

@@ -154,7 +154,7 @@ def _safetensors_problem(f: Path) -> str:
             n = int.from_bytes(head, "little")
             if n > min(size - 8, 100 << 20):
                 return f"is cut short: its header says {n} bytes of header, the file has {size}"
-            header = json.loads(fh.read(n))
+            header = json_safe.loads(fh.read(n))
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     except (ValueError, UnicodeDecodeError):
