@@ -110,7 +110,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         finally:
             phases.close()
     except SystemExit as e:  # SIGTERM during the run (engine/trainer/ray_cluster.py): stopped like Ctrl-C
-        from engine.trainer.ray_cluster import TERMINATED_EXIT
+        from engine.sigterm import TERMINATED_EXIT
 
         if e.code != TERMINATED_EXIT:
             raise

@@ -6,9 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Iterator
 
 from engine.checkpoint.layout import fsync_dir, fsync_tree
 from engine.errors import UserError
+from engine.sigterm import sigterm_as_exit
 
 
 def check_target(out: Path, overwrite: bool, source_step_dir: Path | None = None) -> None:
@@ -87,28 +86,9 @@ def _umask_permissions(root: Path) -> None:
 
 
 @contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM (``kill``, a job scheduler stopping the job) ends a Python process without running
-    ``finally`` blocks, which left the half-written staging directory behind (the size of the
-    model). While staging it raises SystemExit(143) instead, so the cleanup below runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-@contextmanager
 def staged_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out``."""
-    with _sigterm_as_exit():
+    with sigterm_as_exit():  # a kill while staging still removes the half-written directory
         with _staged_dir(out) as tmp:
             yield tmp
 

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.sigterm import sigterm_as_exit
 
 LOCAL_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -100,24 +99,6 @@ def _set_local_only(local: bool) -> None:
         constants.ENABLE_RAY_CLUSTER = not local
 
 
-TERMINATED_EXIT = 128 + signal.SIGTERM  # 143
-
-
-def _on_sigterm(signum, frame):
-    raise SystemExit(TERMINATED_EXIT)
-
-
-def _sigterm_as_exit():
-    """SIGTERM (`kill`, `timeout`, a job scheduler) as SystemExit(143) while the run is up, so the
-    trainer's finally blocks stop the workers and Ray as on Ctrl-C. Before, Ray's own handler
-    (installed by ray.init) printed a stack dump ("*** SIGTERM received ... PC: @ ...") and the
-    process exited 15 at once. Returns the handler to restore (None: not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    return previous if previous is not None else signal.SIG_DFL
-
-
 @contextmanager
 def ray_cluster(address: str, num_cpus: int):
     """Yield ``(ray, target)`` with Ray started (local) or joined (cluster); on exit, shut down
@@ -157,12 +138,10 @@ def ray_cluster(address: str, num_cpus: int):
                                 f"leave trainer.ray_address empty (and RAY_ADDRESS unset) for a local run.",
                                 title="ray cluster") from None
         started = True
-    previous_term = _sigterm_as_exit()
     try:
-        yield ray, target
+        with sigterm_as_exit():  # a kill stops workers and Ray as Ctrl-C does (not Ray's stack dump)
+            yield ray, target
     finally:
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
         if started:
             if target.local:
                 _end_autoscaler_monitor(ray)

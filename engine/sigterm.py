@@ -1,0 +1,34 @@
+"""SIGTERM (``kill``, ``timeout``, a job scheduler stopping the job) as ``SystemExit(143)`` while a
+block runs, so its ``finally`` blocks and context exits run as on Ctrl-C.
+
+Python's default for SIGTERM ends the process at once, without cleanup: a half-written export
+staging directory was left behind, and during a run Ray's own handler (installed by ``ray.init``)
+printed a stack dump and exited 15 with the workers still up. Only the main thread can set a
+signal handler; elsewhere the block runs unchanged.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+TERMINATED_EXIT = 128 + signal.SIGTERM  # 143, the shell's code for a process ended by SIGTERM
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(TERMINATED_EXIT)
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit(143); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
