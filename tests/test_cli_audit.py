@@ -301,3 +301,42 @@ def test_a_refused_command_line_under_json_is_json_too(capsys):
     json_errors(True)  # the command ran with --json and reported its own error: no second document
     usage_error_json(2, ["plot", "--json"])
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("steps", [[], [".tmp-step_2"], ["step_1"]])
+def test_verify_with_nothing_to_verify_fails(tmp_path, steps):
+    """`rl inspect-ckpt run/ --verify` on a run without a complete checkpoint (none yet, only an
+    unfinished save, a step_N without its manifest) exited 0 having verified nothing, so a
+    script's `rl inspect-ckpt run/ --verify && deploy` passed."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.json").write_text('{"format": "rl-run", "version": 1}')
+    for s in steps:
+        (d / s).mkdir()
+        (d / s / "x").write_text("x")
+    r = cli("inspect-ckpt", str(d), "--verify")
+    _no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert "nothing to verify" in flat(r.stderr), r.output
+    assert cli("inspect-ckpt", str(d)).exit_code == 0  # without --verify: the listing, as before
+
+
+def test_checkpoint_dir_that_would_overwrite_a_users_files_is_refused(tmp_path):
+    """A directory that is not a run but holds files under the names a run writes (the user's own
+    config.yaml, metrics.jsonl, wandb/) had them overwritten or mixed with the run's; the
+    filesystem root was accepted as a run directory."""
+    d = tmp_path / "project"
+    d.mkdir()
+    (d / "config.yaml").write_text("mine: 1\n")
+    (d / "wandb").mkdir()
+    r = cli("train", "--dry-run", f"checkpoint.dir={d}")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "not an rl run directory" in text and "config.yaml, wandb" in text, text
+    assert (d / "config.yaml").read_text() == "mine: 1\n"
+    r = cli("train", "--dry-run", "checkpoint.dir=/")
+    assert r.exit_code == 2 and "filesystem root" in flat(r.stderr), r.output
+    other = tmp_path / "scratch"  # unrelated files do not clash: the run is written beside them
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert cli("train", "--dry-run", f"checkpoint.dir={other}").exit_code == 0

@@ -347,9 +347,11 @@ def _verify_run(path: Path, run: RunReport) -> None:
     from engine.checkpoint.verify import verify_step
 
     bad = []
+    checked = 0
     for info in run.steps:
         if not info.complete or not STEP_RE.match(info.name):
             continue
+        checked += 1
         try:
             m = read_json(path / info.name / MANIFEST, what=f"{info.name}/{MANIFEST}")
             v = verify_step(path / info.name, m if isinstance(m, dict) else {}, content=True)
@@ -363,3 +365,11 @@ def _verify_run(path: Path, run: RunReport) -> None:
         raise CheckpointError(f"{run.path}: {len(bad)} checkpoint(s) do not match their manifest: "
                               + " | ".join(bad[:6]) + ". Move the damaged ones aside; rl resume picks the "
                               "latest complete step_N.", title="corrupt checkpoint")
+    if not checked:
+        # a script's `rl inspect-ckpt ckpt/ --verify && deploy` must not pass on nothing
+        partial = len(run.steps)
+        raise CheckpointError(
+            f"{run.path}: nothing to verify: no complete step_N checkpoint"
+            + (f" ({partial} incomplete or unrecognised step director{'y' if partial == 1 else 'ies'})" if partial else "")
+            + ". --verify checks complete checkpoints only; see what is there with `rl inspect-ckpt "
+            f"{run.path}` (without --verify).", title="nothing verified")

@@ -77,7 +77,7 @@ class RunDir:
             return "", ""
         steps = list_steps(self.path)
         if not (self.path / "run.json").exists() and not steps:
-            return "", ""
+            return self._not_a_run_problem(), ""
         if overwrite:
             return "", f"checkpoint.overwrite=true: every file of the old run in {self.path}/ is deleted first."
         if not self.has_progress():
@@ -88,6 +88,26 @@ class RunDir:
         return (f"{self.path}/ already holds {what}. Continue it with `rl resume {self.path}`, start a new run "
                 f"elsewhere with `checkpoint.dir=<new dir>`, or replace it with `checkpoint.overwrite=true` "
                 f"(deletes every file of the old run)."), ""
+
+    def _not_a_run_problem(self) -> str:
+        """Why a directory that holds no run cannot take one: it is a filesystem root, or it
+        already holds files under the names a run writes (a user's own config.yaml, wandb/,
+        metrics.jsonl would be overwritten or mixed with the run's). "" when it can."""
+        p = Path(os.path.abspath(self.path))
+        if p == Path(p.anchor):
+            return (f"checkpoint.dir={self.path} is the filesystem root: the run would write config.yaml, "
+                    f"metrics.jsonl and step_N/ directories at the top of the filesystem. Choose a directory "
+                    f"of its own, e.g. checkpoint.dir=runs/my_run.")
+        try:
+            clash = sorted(e.name for e in p.iterdir() if is_run_entry(e.name))
+        except OSError:
+            return ""  # unreadable: the writability probe names the problem
+        if not clash:
+            return ""
+        shown = ", ".join(clash[:5]) + (f" and {len(clash) - 5} more" if len(clash) > 5 else "")
+        return (f"checkpoint.dir={self.path} is not an rl run directory (no run.json) but already holds "
+                f"{shown}: a run writes files under these names and would overwrite or mix with them. Choose "
+                f"an empty or new directory, e.g. checkpoint.dir={self.path / 'rl_run'}.")
 
     def has_progress(self) -> bool:
         """Whether the run here got anywhere: a metrics row, or any checkpoint (even unfinished)."""
@@ -126,12 +146,15 @@ class RunDir:
         from omegaconf import OmegaConf
 
         self.env_refs = dict(env_refs or {})
+        # run.json first: a crash before the other files leaves a directory rl knows as its own
+        # (a run without progress, replaced by the next `rl train`), never one it refuses as foreign
+        write_json_atomic(self.path / "run.json", {"format": RUN_FORMAT, "version": VERSION,
+                                                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                                   "engine": cfg.engine.name,
+                                                   "cwd": os.getcwd()})  # relative paths: engine/checkpoint/start_dir.py
         write_text_atomic(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.saved_config(cfg))))
         write_text_atomic(self.path / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
         write_json_atomic(self.path / "versions.json", package_versions())
-        write_json_atomic(self.path / "run.json", {"format": RUN_FORMAT, "version": VERSION,
-                                                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                                   "engine": cfg.engine.name})
 
     # -- secrets: values read from the environment are saved as their interpolation
     def saved_config(self, cfg: RunConfig) -> dict:
