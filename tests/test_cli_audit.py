@@ -340,3 +340,14 @@ def test_checkpoint_dir_that_would_overwrite_a_users_files_is_refused(tmp_path):
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     assert cli("train", "--dry-run", f"checkpoint.dir={other}").exit_code == 0
+
+
+def test_zero_temperature_is_refused_before_the_run():
+    """`rollout.temperature=0` was accepted: the sampler clamped it, the trainer's log-probs divided
+    the logits by 0, the first update made every weight NaN and step 2's sampler died with an
+    IndexError traceback."""
+    r = cli("train", "--dry-run", "rollout.temperature=0")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "`rollout.temperature` must be > 0.0" in text, text
+    assert cli("train", "--dry-run", "rollout.temperature=0.05").exit_code == 0
