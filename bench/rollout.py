@@ -32,7 +32,8 @@ def _overrides(spec, vocab_prompt_len: int, new_tokens: int, rows: int) -> list[
             f"model.num_attention_heads={heads}", f"model.num_key_value_heads={kv}",
             f"model.intermediate_size={inter}", "model.max_position_embeddings=256",
             f"data.max_prompt_length={vocab_prompt_len}", f"rollout.max_new_tokens={new_tokens}",
-            f"data.train_batch_size={rows}", "algorithm.rollout_n=1", "task.num_val=0"]
+            f"data.train_batch_size={rows}", "algorithm.rollout_n=1", "algorithm.name=reinforce_pp",  # no group: a rollout-only job
+            "task.num_val=0"]
 
 
 def _tokens_per_s(gen, prompts, n, reps: int) -> tuple[float, int]:

@@ -351,3 +351,14 @@ def test_zero_temperature_is_refused_before_the_run():
     text = flat(r.stderr)
     assert r.exit_code == 2 and "`rollout.temperature` must be > 0.0" in text, text
     assert cli("train", "--dry-run", "rollout.temperature=0.05").exit_code == 0
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "dapo"])
+def test_one_sample_per_prompt_with_a_group_baseline_is_refused(algorithm):
+    """`algorithm.rollout_n=1` with a group-relative estimator ran to the end learning nothing:
+    every group of one has advantage 0 (the loss and gradient are exactly zero)."""
+    r = cli("train", "--dry-run", "algorithm.rollout_n=1", f"algorithm={algorithm}")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "a group of one has advantage 0" in text and "algorithm=reinforce_pp" in text, text
+    assert cli("train", "--dry-run", "algorithm.rollout_n=1", "algorithm=reinforce_pp").exit_code == 0

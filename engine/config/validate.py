@@ -17,6 +17,8 @@ from engine.config.removed_keys import removed_message
 from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
 
+GROUP_BASELINE_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "dapo")  # advantages within a prompt's group
+
 
 def all_keys(engine_name: str | None = None, include_all_engines: bool = True) -> dict[str, Any]:
     """Every leaf key ``section.field`` mapped to its dataclass field (engines merged)."""
@@ -290,6 +292,13 @@ def check_cross_field(cfg: RunConfig) -> None:
             f"({dp}: trainer.nprocs={t.nprocs}{f' / {mp} model-parallel' if mp > 1 else ''}): every rank trains on "
             f"its share of each update, so each needs at least one sequence. Raise {what} or "
             f"algorithm.rollout_n, or lower trainer.nprocs.", title="invalid config")
+    a = cfg.algorithm
+    if a.rollout_n == 1 and a.name in GROUP_BASELINE_ALGORITHMS:
+        raise ConfigError(
+            f"`algorithm.rollout_n=1` with algorithm={a.name}: {a.name}'s advantage compares each sample with the "
+            f"other samples of its prompt, so a group of one has advantage 0 and nothing is learned. Sample "
+            f"several responses per prompt (algorithm.rollout_n=8, the default), or use an estimator with another "
+            f"baseline: algorithm=reinforce_pp (the batch) or algorithm=ppo (a critic).", title="invalid config")
     from engine.batching.validate import validate_run_padding
 
     validate_run_padding(cfg)
