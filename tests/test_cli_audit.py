@@ -362,3 +362,53 @@ def test_one_sample_per_prompt_with_a_group_baseline_is_refused(algorithm):
     text = flat(r.stderr)
     assert r.exit_code == 2 and "a group of one has advantage 0" in text and "algorithm=reinforce_pp" in text, text
     assert cli("train", "--dry-run", "algorithm.rollout_n=1", "algorithm=reinforce_pp").exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def policy_and_critics(tmp_path_factory):
+    """A tiny Llama policy, a Qwen2 critic (same tokenizer; q/k/v biases the Llama lacks) and a
+    Llama whose vocabulary is smaller than the tokenizer's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_hf import char_tokenizer, hf_config, save_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    small = root / "small_vocab"
+    AutoModelForCausalLM.from_config(hf_config("llama", 8)).save_pretrained(small)
+    char_tokenizer().save_pretrained(small)
+    return save_tiny_model("llama", root / "policy"), save_tiny_model("qwen2", root / "critic", seed=1), small
+
+
+def test_critic_model_path_is_checked_before_the_run(policy_and_critics, tmp_path):
+    """`critic.model_path` was never looked at before the ranks built the critic: a path that does
+    not exist, or a critic whose embedding has fewer rows than the policy's token ids, passed
+    --dry-run and failed inside a rank."""
+    policy, critic, small = policy_and_critics
+    base = ["train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", "algorithm=ppo", f"model.path={policy}"]
+    r = cli(*base, f"critic.model_path={tmp_path / 'nowhere'}")
+    _no_traceback(r)
+    assert r.exit_code == 2 and "critic.model_path=" in flat(r.stderr) and "does not exist" in flat(r.stderr)
+    r = cli(*base, f"critic.model_path={small}")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "has a vocabulary of 8 tokens" in text and "unset critic.model_path" in text, text
+    ok = cli(*base, f"critic.model_path={critic}")
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_from_its_own_model_directory_trains(policy_and_critics, tmp_path):
+    """No run had ever used `critic.model_path`: the critic is built from that directory (the
+    checkpoint holds its Qwen2 q_proj biases, which the Llama policy has none of)."""
+    import subprocess
+    import sys
+
+    policy, critic, _ = policy_and_critics
+    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", f"checkpoint.dir={tmp_path / 'run'}",
+                        "algorithm=ppo", f"model.path={policy}", f"critic.model_path={critic}",
+                        "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("inspect-ckpt", str(tmp_path / "run" / "step_2"), "--keys", "*q_proj.bias", "--json")
+    names = [t["name"] for t in json.loads(r.stdout)["tensors"]]
+    assert names and all(n.startswith("critic.") for n in names), names

@@ -75,26 +75,28 @@ def resolve_hub_id(hub_id: str) -> str:
     return path
 
 
-def resolve_path_or_hub_id(path: str) -> str:
-    """A local HF model directory for ``model.path`` (a directory or a cached hub id)."""
+def resolve_path_or_hub_id(path: str, key: str = "model.path") -> str:
+    """A local HF model directory for ``model.path`` (a directory or a cached hub id); ``key``
+    names the config key in the errors (``critic.model_path`` for the critic's)."""
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise ConfigError(
-                f"model.path={path!r} is a directory without config.json, so it is not a Hugging Face model "
+                f"{key}={path!r} is a directory without config.json, so it is not a Hugging Face model "
                 f"directory. Point it at a directory written by save_pretrained (config.json, *.safetensors, "
                 f"tokenizer files) or at a hub id in the local cache (e.g. Qwen/Qwen2.5-0.5B).",
                 title="not a model directory")
         return expanded
     if os.path.exists(expanded):
-        raise ConfigError(f"model.path={path!r} is a file; it must be a Hugging Face model directory (with "
+        raise ConfigError(f"{key}={path!r} is a file; it must be a Hugging Face model directory (with "
                           f"config.json) or a hub id such as Qwen/Qwen2.5-0.5B.", title="not a model directory")
     if looks_like_hub_id(path):
         return resolve_hub_id(path)
     raise ConfigError(
-        f"model.path={path!r} does not exist (resolved to {os.path.abspath(expanded)}). Give a local Hugging "
+        f"{key}={path!r} does not exist (resolved to {os.path.abspath(expanded)}). Give a local Hugging "
         f"Face model directory, a hub id in the local cache such as Qwen/Qwen2.5-0.5B ({hub_cache_dir()}), or "
-        f"unset model.path to use a preset (model=tiny|smollm2-135m).", title="model not found")
+        + ("unset model.path to use a preset (model=tiny|smollm2-135m)." if key == "model.path" else
+           f"unset {key} to use the default."), title="model not found")
 
 
 def read_config_json(path: str) -> dict:

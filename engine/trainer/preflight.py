@@ -152,11 +152,12 @@ def check_reward(cfg: RunConfig, resume: bool) -> str:
 
 # ---- model and task -------------------------------------------------------------------
 def check_model_and_task(cfg: RunConfig, report: PreflightReport) -> str:
-    from engine.trainer.setup import prepare_inputs, resolve_model_path
+    from engine.trainer.setup import prepare_inputs, resolve_critic_path, resolve_model_path
 
     try:
         model_path = resolve_model_path(cfg)
         report.inputs = prepare_inputs(cfg)
+        critic_path = resolve_critic_path(cfg, report.inputs.vocab["size"])
     except UserError:
         raise
     except Exception as e:  # a model directory transformers cannot read, a tokenizer that fails to load
@@ -167,7 +168,7 @@ def check_model_and_task(cfg: RunConfig, report: PreflightReport) -> str:
                           f"tiny built-in model.", title="invalid model") from None
     inputs = report.inputs
     return (f"{model_path or 'tiny built-in model'}; task={cfg.task.name}: {len(inputs.train_prompts)} train / "
-            f"{len(inputs.val_prompts)} held-out prompts")
+            f"{len(inputs.val_prompts)} held-out prompts" + (f"; critic {critic_path}" if critic_path else ""))
 
 
 # ---- run directory --------------------------------------------------------------------

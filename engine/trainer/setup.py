@@ -43,6 +43,34 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return path
 
 
+def resolve_critic_path(cfg: RunConfig, vocab_size: int) -> str:
+    """The local HF directory of ``critic.model_path`` ("" = the critic starts from the policy's
+    initial network), checked like model.path, plus what the critic needs of it: it reads the
+    policy's token ids, so its embedding must have a row for each of them."""
+    if cfg.algorithm.name != "ppo" or not cfg.critic.model_path:
+        return ""
+    from engine.model.source import check_architecture, read_config_json, resolve_path_or_hub_id
+
+    path = resolve_path_or_hub_id(cfg.critic.model_path, key="critic.model_path")
+    check_architecture(path)
+    raw = read_config_json(path)
+    vocab = raw.get("vocab_size", (raw.get("text_config") or {}).get("vocab_size"))
+    if isinstance(vocab, int) and vocab < vocab_size:
+        raise ConfigError(
+            f"`critic.model_path={cfg.critic.model_path}` has a vocabulary of {vocab:,} tokens; the policy's "
+            f"tokenizer has {vocab_size:,}, and the critic reads the policy's token ids. Use a critic of the same "
+            f"model family as the policy (the same tokenizer), or unset critic.model_path to start the critic "
+            f"from the policy's initial network.", title="invalid model")
+    if cfg.engine.name == "megatron":  # megatron converts only the architectures it maps
+        from transformers import AutoConfig
+
+        from engine.backends.megatron.model import arch_from_hf_config
+        from engine.model.source import HF_LOAD_KWARGS
+
+        arch_from_hf_config(AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS))  # raises ConfigError
+    return path
+
+
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
     from engine.model.tokenizer import CharTokenizer, HFTokenizer
     from engine.tasks.registry import make_task

@@ -89,7 +89,7 @@ class MegatronCritic:
         self.cfg, self.engine = cfg, engine
         e = engine
         on_gpu = e.device.type == "cuda"
-        hf = build_hf_model(cfg.model, cfg.critic.model_path or e.model_path, e.vocab_size, cfg.trainer.seed,
+        hf = build_hf_model(cfg.model, _critic_path(cfg, e.model_path), e.vocab_size, cfg.trainer.seed,
                             e.pad_token_id, e.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=e.use_te)
         check_parallel_layout(self.arch, e.tp_size)
@@ -192,3 +192,12 @@ class MegatronCritic:
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.sharded.load_checkpoint_state(self.opt, state)
+
+
+def _critic_path(cfg, policy_path: str) -> str:
+    """critic.model_path resolved like model.path (checked on the driver first), else the policy's."""
+    if not cfg.critic.model_path:
+        return policy_path
+    from engine.model.source import resolve_path_or_hub_id
+
+    return resolve_path_or_hub_id(cfg.critic.model_path, key="critic.model_path")
