@@ -170,29 +170,58 @@ def read_jsonl(path, what: str, *, error=UserError) -> tuple[list[tuple[int, obj
     file is ([], []). Bytes that are not UTF-8 (a damaged file, binary garbage) make their line
     unparseable instead of failing the whole read; anything but a regular file (a directory, a
     FIFO that would block, /dev/zero that never ends) is ``error``, never opened."""
-    from engine import json_safe
+    rows, bad = [], []
+    for i, value in iter_jsonl(path, what, error=error):
+        if value is NOT_JSON:
+            bad.append(i)
+        else:
+            rows.append((i, value))
+    return rows, bad
 
+
+NOT_JSON = object()  # what iter_jsonl yields for a line that is not JSON
+
+
+def iter_jsonl(path, what: str, *, error=UserError):
+    """``read_jsonl`` one line at a time: (line number, parsed value or NOT_JSON) for each
+    non-blank line, so a caller that keeps a few numbers of each row (`rl plot` on a long run's
+    metrics.jsonl) never holds the whole file. The path is checked (and opened) at the call,
+    not at the first ``next``: the same errors as read_jsonl, raised where it is called."""
     st = stat_path(path, what, error=error, title="unreadable run file")
     if st is None:
-        return [], []
+        return iter(())
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{what} is {file_kind(st)}, not a file of JSON rows; it is not read. A run writes it as a "
                     "regular file: move that one away (or point the command at the run directory that wrote it).",
                     title="unreadable run file")
     try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+        f = open(path, "rb")
     except OSError as e:
         raise error(f"{what} {os_problem(e)}.", title="unreadable run file") from None
-    rows, bad = [], []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((i, json_safe.loads(line)))
-        except ValueError:
-            bad.append(i)
-    return rows, bad
+    return _jsonl_lines(f, what, error)
+
+
+def _jsonl_lines(f, what: str, error):
+    from engine import json_safe
+
+    i = 0
+    with f:
+        while True:
+            try:
+                raw = f.readline()
+            except OSError as e:
+                raise error(f"{what} {os_problem(e)}.", title="unreadable run file") from None
+            if not raw:
+                return
+            for line in raw.decode("utf-8", errors="replace").splitlines():  # as str.splitlines on the whole text
+                i += 1
+                if not line.strip():
+                    continue
+                try:
+                    value = json_safe.loads(line)
+                except ValueError:
+                    value = NOT_JSON
+                yield i, value
 
 
 RUN_FILE_SUFFIXES = (".jsonl", ".json", ".yaml", ".db")  # the run-root files a run writes, rewrites or appends to

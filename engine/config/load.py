@@ -179,10 +179,13 @@ def diff_configs(a: RunConfig, b: RunConfig) -> dict[str, tuple]:
 
 def config_from_dict(data: dict) -> RunConfig:
     """Rebuild a RunConfig from a saved dict, e.g. a checkpoint's config. Values saved as
-    `${oc.env:NAME}` (secrets are never saved resolved) are read from the environment now."""
+    `${oc.env:NAME}` (secrets are never saved resolved) are read from the environment now.
+    The loggers' packages and settings are not checked: a saved config is read here, not run (a
+    run resumed on a machine without wandb may drop it with trainer.loggers=...; apply_overrides_to
+    checks the config that runs)."""
     from engine.config.interpolation import create_resolved
 
-    return build_run_config(create_resolved(data))
+    return build_run_config(create_resolved(data), check_environment=False)
 
 
 def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:

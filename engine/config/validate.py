@@ -201,8 +201,11 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def build_run_config(data: dict) -> RunConfig:
-    """Validate a plain nested dict (every section optional) into a RunConfig."""
+def build_run_config(data: dict, *, check_environment: bool = True) -> RunConfig:
+    """Validate a plain nested dict (every section optional) into a RunConfig.
+    ``check_environment=False``: a config that is read, not run here (a checkpoint's saved config
+    before `rl resume` applies its overrides, config.yaml for `rl mem-report`, a rank's copy):
+    the loggers' packages and settings (WANDB_MODE) belong to the machine and run that open them."""
     engine_name = (data.get("engine") or {}).get("name", "fsdp")
     if engine_name not in ENGINE_CONFIGS:
         raise ConfigError(
@@ -218,7 +221,7 @@ def build_run_config(data: dict) -> RunConfig:
     for section, cls in sections.items():
         built[section] = _build_section(cls, data.get(section) or {}, section, engine_name)
     cfg = RunConfig(**built)
-    check_cross_field(cfg)
+    check_cross_field(cfg, check_environment=check_environment)
     return cfg
 
 
@@ -242,8 +245,9 @@ def _build_section(cls, values: dict, prefix: str, engine_name: str):
     return cls(**kwargs)
 
 
-def check_cross_field(cfg: RunConfig) -> None:
-    """Rules that involve more than one key."""
+def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None:
+    """Rules that involve more than one key (and, with ``check_environment``, what the loggers
+    need on this machine: their packages, WANDB_MODE, a project name they take)."""
     if cfg.task.name in ("dataset", "jsonl", "parquet"):
         if not cfg.task.path:
             raise ConfigError(f"`task={cfg.task.name}` needs `task.path=` (a Parquet/JSONL/JSON/Arrow file, a "
@@ -261,9 +265,11 @@ def check_cross_field(cfg: RunConfig) -> None:
     if cfg.algorithm.clip_ratio_low >= 1.0:
         raise ConfigError("`algorithm.clip_ratio_low` must be < 1 (the lower clip bound is 1 - clip_ratio_low).",
                           title="invalid config value")
-    from engine.tracking.registry import check_loggers
+    from engine.tracking.registry import check_logger_options, check_loggers
 
-    check_loggers(cfg.trainer.loggers)
+    check_loggers(cfg.trainer.loggers, installed=check_environment)
+    if check_environment:
+        check_logger_options(cfg.trainer.loggers, cfg.trainer.project)
     check_tiny_model_dims(cfg)
     lora = cfg.model.lora
     if lora.rank and cfg.engine.name != "fsdp":

@@ -28,7 +28,7 @@ def run_config(manifest_config: dict):
     from engine.config.validate import build_run_config
 
     try:
-        return build_run_config(manifest_config)
+        return build_run_config(manifest_config, check_environment=False)  # read, not run: loggers need nothing
     except Exception as e:  # a checkpoint from an older schema
         raise CheckpointError(f"the checkpoint's recorded config no longer validates ({e}); export it with the "
                               f"rl version that wrote it (versions.json in the run directory).",

@@ -60,17 +60,24 @@ def step_metrics(row: dict) -> dict[str, float]:
         if v is not None:
             out[name] = v
     for prefix, key in STEP_DICTS.items():
-        for k, v in (row.get(key) or {}).items():
+        nested = row.get(key)
+        if not isinstance(nested, dict):  # absent, or a damaged/edited row ("timing": "x"): nothing to read
+            continue
+        for k, v in nested.items():
             v = _number(v)
             if v is not None:
                 out[prefix + k] = v
     return out
 
 
-def validation_metrics(accuracy: float | None, reward: float) -> dict[str, float]:
-    out = {"val/reward": float(reward)}
-    if accuracy is not None:
-        out["val/accuracy"] = float(accuracy)
+def validation_metrics(accuracy: float | None, reward: float | None) -> dict[str, float]:
+    """val/reward and val/accuracy, each left out when it is not a finite number (as in
+    step_metrics: a validation.jsonl row with a null, a string or NaN there draws nothing)."""
+    out = {}
+    for name, v in (("val/reward", reward), ("val/accuracy", accuracy)):
+        v = _number(v)
+        if v is not None:
+            out[name] = v
     return out
 
 

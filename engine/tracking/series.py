@@ -39,18 +39,21 @@ def run_root(path: Path) -> Path:
     return p
 
 
-def _rows(path: Path) -> list[dict]:
-    """The rows with an integer step; lines that are not JSON objects (a half-written last line
-    of a killed run, damaged bytes) are skipped. A directory, FIFO or device there is a UserError."""
-    from engine.user_paths import read_jsonl, shown
+def _rows(path: Path):
+    """The rows with an integer step, one at a time (a long run's metrics.jsonl is never held
+    whole); lines that are not JSON objects (a half-written last line of a killed run, damaged
+    bytes) are skipped. A directory, FIFO or device there is a UserError, raised at the call."""
+    from engine.user_paths import iter_jsonl, shown
 
-    rows, _bad = read_jsonl(path, shown(path))
-    return [row for _, row in rows
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)]
+    lines = iter_jsonl(path, shown(path))
+    return (row for _, row in lines
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool))
 
 
-def run_metrics(path: Path) -> dict[int, dict[str, float]]:
-    """step -> every logged metric of that step (train/perf/mem from metrics.jsonl, val/ from validation.jsonl)."""
+def run_metrics(path: Path, only: str | None = None) -> dict[int, dict[str, float]]:
+    """step -> every logged metric of that step (train/perf/mem from metrics.jsonl, val/ from
+    validation.jsonl); with ``only``, just that metric (steps without it are left out), so
+    plotting one metric of a long run keeps one number per step, not every row."""
     from engine.user_paths import file_kind, shown, stat_path
 
     st = stat_path(path, f"the run path {shown(path)}", title="no run")
@@ -63,7 +66,17 @@ def run_metrics(path: Path) -> dict[int, dict[str, float]]:
                         f"checkpoint.dir of a run, e.g. `rl plot ckpt/`), a step_N directory or a {METRICS_FILE}.",
                         title="no run")
     metrics_rows, val_rows = _rows(root / METRICS_FILE), _rows(root / VALIDATION_FILE)
-    if not metrics_rows and not val_rows:
+    by_step: dict[int, dict[str, float]] = {}
+    rows = 0
+    for row in metrics_rows:
+        rows += 1
+        m = step_metrics(row)
+        by_step[row["step"]] = m if only is None else {only: m[only]} if only in m else {}
+    for row in val_rows:
+        rows += 1
+        m = validation_metrics(row.get("accuracy"), row.get("reward"))
+        by_step.setdefault(row["step"], {}).update(m if only is None else {only: m[only]} if only in m else {})
+    if not rows:
         mf = root / METRICS_FILE
         hint = (" The file holds no JSON row with a step: it is damaged, or is not a run's metrics.jsonl."
                 if mf.is_file() and mf.stat().st_size > 0 else
@@ -71,22 +84,17 @@ def run_metrics(path: Path) -> dict[int, dict[str, float]]:
                 if (root / "run.json").exists() else " It is not an rl run directory.")
         raise UserError(f"{path} has no metrics to plot (no rows in {root / METRICS_FILE}).{hint}",
                         title="no metrics")
-    by_step: dict[int, dict[str, float]] = {}
-    for row in metrics_rows:
-        by_step[row["step"]] = step_metrics(row)
-    for row in val_rows:
-        by_step.setdefault(row["step"], {}).update(validation_metrics(row.get("accuracy"), row.get("reward", 0.0)))
     return by_step
 
 
 def load_series(path: Path, metric: str) -> Series:
     name = resolve_metric(metric)
-    by_step = run_metrics(path)
+    by_step = run_metrics(path, only=name)
     steps = sorted(s for s, m in by_step.items() if name in m)
     if not steps:
         from engine.config.validate import suggest
 
-        known = sorted({k for m in by_step.values() for k in m})
+        known = available_metrics(path)  # a second pass, only to name what the run has
         listed = f" Its metrics: {', '.join(known)}." if known else " Its rows hold no finite numbers besides the step."
         raise UserError(f"{path} has no metric `{metric}` with a finite value (nan and inf are not drawn)."
                         f"{suggest(name, known)}{listed}", title="unknown metric")

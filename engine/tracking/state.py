@@ -16,9 +16,10 @@ def read_state(run_dir: Path) -> dict:
     if not p.exists():
         return {}
     try:
-        return json_safe.loads(p.read_text())
+        state = json_safe.loads(p.read_text())
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) else {}  # a damaged file ([], "x"): no ids, new logger runs
 
 
 def update_state(run_dir: Path, **values) -> None:

@@ -46,7 +46,7 @@ class RankWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, threads: int):
         from engine.config.validate import build_run_config
 
-        self.cfg: RunConfig = build_run_config(cfg_dict)
+        self.cfg: RunConfig = build_run_config(cfg_dict, check_environment=False)  # the loggers run on the driver
         self.rank, self.world_size = rank, world_size
         self._store_fd = None
         self.model_path, self.vocab = "", {}  # set by setup()

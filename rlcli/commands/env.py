@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
             "--torch/--no-torch", help="Import torch to report the CUDA build, driver, GPUs, cuDNN and NCCL.",
             rich_help_panel="Output")] = True,
     ) -> None:
+        from rich.markup import escape
         from rich.table import Table
+        from rich.text import Text
 
         from engine.env_info import collect
         from rlcli.output import call_engine, json_errors, print_json, stdout_console
@@ -42,10 +44,12 @@ def register(app: typer.Typer) -> None:
         table.add_column("version")
         table.add_column("detail", style="dim", overflow="fold")
         for c in report.components:
-            table.add_row(c.name, c.version if c.version is not None else "[dim]not installed[/]", c.detail)
+            # versions, paths and variables are shown as they are, never read as markup (OMP_NUM_THREADS='[/]')
+            table.add_row(escape(c.name), escape(c.version) if c.version is not None else "[dim]not installed[/]",
+                          escape(c.detail))
         console.print(table)
         plat = report.platform
-        console.print(f"platform: {plat.get('system', '')} {plat.get('release', '')} {plat.get('machine', '')}, "
-                      f"{plat.get('cpus', '?')} CPUs" + (f", {plat['memory']}" if "memory" in plat else ""))
+        console.print(Text(f"platform: {plat.get('system', '')} {plat.get('release', '')} {plat.get('machine', '')}, "
+                           f"{plat.get('cpus', '?')} CPUs" + (f", {plat['memory']}" if "memory" in plat else "")))
         if report.environment:
-            console.print("environment: " + " ".join(f"{k}={v}" for k, v in report.environment.items()))
+            console.print(Text("environment: " + " ".join(f"{k}={v}" for k, v in report.environment.items())))

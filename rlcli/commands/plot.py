@@ -61,8 +61,10 @@ def register(app: typer.Typer) -> None:
             if json_out:
                 print_json({"metrics": found})
             else:
-                for r, names in found.items():
-                    console.print(f"[bold]{r}[/]: {', '.join(names)}")
+                from rich.markup import escape
+
+                for r, names in found.items():  # a path is shown as typed, never read as markup (`runs/[a]`)
+                    console.print(f"[bold]{escape(r)}[/]: {', '.join(names)}")
             return
         if png:  # before any reading: a typo must never replace a user's file (metrics.jsonl) or a device
             from engine.user_paths import PNG_MAGIC, check_output_file
@@ -86,4 +88,4 @@ def register(app: typer.Typer) -> None:
         chart = call_engine(terminal_chart, series, name, width=w, height=height, color=console.is_terminal)
         console.print(Text.from_ansi(chart) if console.is_terminal else Text(chart))
         if written:
-            console.print(f"wrote {written}")
+            console.print(Text(f"wrote {written}"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlcli.render.train import human_bytes
@@ -53,8 +54,8 @@ def render_report(rep, console: Console) -> None:
     if rep.estimate is not None:
         console.print(fixes_table(rep.estimate))
     notes = list(getattr(rep, "notes", []) or []) + (list(rep.estimate.notes) if rep.estimate else [])
-    for n in notes:
-        console.print(f"[dim]note:[/] {n}")
+    for n in notes:  # notes name paths and overrides: shown as they are, never read as markup
+        console.print(f"[dim]note:[/] {escape(str(n))}")
 
 
 def summary_table(rep) -> Table:
@@ -62,12 +63,12 @@ def summary_table(rep) -> Table:
               pad_edge=False)
     t.add_column(style="cyan", no_wrap=True)
     t.add_column()
-    t.add_row("source", rep.source)
+    t.add_row("source", escape(str(rep.source)))  # the run directory as given: `runs/[a]` is not markup
     est = rep.estimate
     if est is not None:
         lay = est.layout
         par = ", ".join(f"{k}={lay[k]}" for k in ("dp", "tp", "pp", "cp") if lay.get(k, 1) != 1 or k == "dp")
-        t.add_row("model", f"{est.model}  ({est.param_count:,} params, {human_bytes(est.model_bytes)} "
+        t.add_row("model", f"{escape(str(est.model))}  ({est.param_count:,} params, {human_bytes(est.model_bytes)} "
                            f"in {est.dtype})")
         t.add_row("layout", f"{est.backend}, {lay['nprocs']} rank{'s' if lay['nprocs'] > 1 else ''} ({par})")
         moe = getattr(est, "moe", None)

@@ -40,7 +40,7 @@ def plan_table(plan) -> Table:
     t.add_column()
     t.add_row("engine", f"{plan.engine}  ({plan.ranks} rank{'s' if plan.ranks > 1 else ''}, dp={plan.dp_size}, "
                         f"{plan.device})")
-    t.add_row("model", f"{plan.model}  ({plan.num_params:,} params)")
+    t.add_row("model", Text(f"{plan.model}  ({plan.num_params:,} params)"))  # paths: never read as markup
     t.add_row("task", f"{plan.task}  ({plan.num_train} train / {plan.num_val} held-out prompts)")
     if getattr(plan, "data", ""):
         t.add_row("data", plan.data)
@@ -55,7 +55,7 @@ def plan_table(plan) -> Table:
     for k, (old, new) in plan.changed.items():
         if k not in plan.key_settings:
             t.add_row(k, f"{new}  [yellow]({before} {old})[/]")
-    t.add_row("run dir", plan.run_dir)
+    t.add_row("run dir", Text(str(plan.run_dir)))  # checkpoint.dir="runs/[a]" is a path, not markup
     if plan.ray:
         nodes = sorted({p["node_ip"] for p in plan.placement})
         t.add_row("ray", plan.ray + (f"  (ranks on {len(nodes)} nodes: {', '.join(nodes)})" if len(nodes) > 1 else ""))
@@ -116,11 +116,11 @@ def summary_table(s) -> Table:
     if getattr(s, "stopped_by_alarm", None):
         t.add_row("[red]stopped[/]", f"by the {s.stopped_by_alarm} alarm (trainer.stop_on_alarm=true)")
     t.add_row("wall time", f"{s.wall_time_s:.1f} s")
-    t.add_row("metrics", s.metrics_path)
+    t.add_row("metrics", Text(str(s.metrics_path)))  # paths under checkpoint.dir: never read as markup
     for name, where in (s.tracking or {}).get("where", {}).items():
         if name != "jsonl":
-            t.add_row(name, where)
-    t.add_row("checkpoints", "\n".join(s.checkpoints) if s.checkpoints else "none")
+            t.add_row(name, Text(str(where)))
+    t.add_row("checkpoints", Text("\n".join(s.checkpoints)) if s.checkpoints else "none")
     return t
 
 
