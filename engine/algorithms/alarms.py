@@ -15,6 +15,9 @@ stays true is not repeated until its condition has cleared once. Four kinds:
   for the same weights above ``rollout_kl_max`` (sampler/trainer numerics disagree).
 - ``val_drop``: held-out score at least ``val_drop`` below its best while the mean training
   reward of the last ``window`` steps is above what it was when that best was measured.
+- ``nonfinite_grad``: an optimizer step (policy or critic) had a nan/inf gradient norm and was
+  skipped (the engines never apply one); ``nonfinite_steps`` such steps in a row with every
+  policy update skipped stop the run (engine/trainer/trainer.py), whatever stop_on_alarm says.
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ class AlarmMonitor:
                     f"held-out score {val:.3f} is {self.best_val - val:.3f} below its best ({self.best_val:.3f}) "
                     f"while the training reward rose ({self.reward_at_best_val:.3f} -> {recent:.3f}): the policy is "
                     f"overfitting the training prompts or hacking the reward. Keep the best checkpoint.")
+
+        algo = row.get("algo") or {}
+        bad, bad_value = int(algo.get("nonfinite_updates") or 0), int(algo.get("value_nonfinite_updates") or 0)
+        if bad or bad_value:
+            what = " and ".join(x for x in (f"{bad} policy" if bad else "", f"{bad_value} critic" if bad_value else "")
+                                if x)
+            firing["nonfinite_grad"] = (
+                f"{what} update(s) of {algo.get('updates', '?')} had a nan/inf gradient norm and were skipped (the "
+                f"weights stay as they were). Lower optim.lr (or critic.lr), keep optim.grad_clip > 0, check the "
+                f"reward for nan/inf, or use model.dtype=float32.")
 
         new = [Alarm(k, step, m) for k, m in firing.items() if k not in self.active]
         self.active = set(firing)

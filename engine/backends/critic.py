@@ -105,9 +105,12 @@ class FSDPCritic:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        self.optimizer.step()
+        finite = bool(torch.isfinite(norm))
+        if finite:  # as the policy's (engine/backends/fsdp.py): a nan/inf gradient is not applied
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"metrics": sums, "replicated": {"value_grad_norm": float(norm)}}
+        return {"metrics": sums, "replicated": {"value_grad_norm": float(norm),
+                                                "value_nonfinite_updates": 0.0 if finite else 1.0}}
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
     def checkpoint_state(self) -> dict:

@@ -334,13 +334,16 @@ class FSDPEngine(TrainEngine):
             grad_norm = grad_norm.full_tensor()
         if self.tracker is not None:
             self.tracker.sample_state()  # grads are live only until the step below
-        self.optimizer.step()
+        finite = bool(torch.isfinite(grad_norm))  # the global norm: every rank decides the same
+        if finite:  # a nan/inf gradient would make every weight nan: the update is skipped (as verl does)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._scheduler.step()
         self._updates += 1
         self.bucket_policy.maybe_refresh(self._updates)
         stats.metrics = sums
-        stats.replicated = {"grad_norm": float(grad_norm), "lr": self._scheduler.get_last_lr()[0]}
+        stats.replicated = {"grad_norm": float(grad_norm), "lr": self._scheduler.get_last_lr()[0],
+                            "nonfinite_updates": 0.0 if finite else 1.0}
         return stats
 
     def _micro_batch_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float):

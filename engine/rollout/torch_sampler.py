@@ -70,7 +70,9 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     total = cdf[:, -1:]
     x = torch.minimum(uniforms.reshape(-1, 1).to(cdf.dtype) * total,
                       torch.nextafter(total, torch.zeros_like(total)))  # below the total, even rounded
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # the first entry whose cumulative sum exceeds x
+    # the first entry whose cumulative sum exceeds x; clamped: nan probabilities (weights that diverged)
+    # give a token the update's nan loss then reports (engine/algorithms/alarms.py), not an IndexError
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 class _ModelSteps:

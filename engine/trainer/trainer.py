@@ -22,6 +22,7 @@ from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.checkpoint.run_files import truncate_jsonl
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
+from engine.errors import UserError
 from engine.rewards.compute import RewardError, samples_of
 from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
@@ -105,6 +106,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     rdir.append_validation(v)
                     emit(v)
                 checkpoints = []
+                diverged: list[int] = []  # the latest steps in a row whose every policy update was skipped
                 for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                     workers.take_bytes()
                     rec = rl_step(cfg, inputs, workers, stream, step)
@@ -139,6 +141,10 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     records.append(rec)
                     if stopped_by is not None:
                         break
+                    skipped = rec.algo.get("nonfinite_updates", 0)
+                    diverged = diverged + [step] if skipped and skipped == rec.algo.get("updates") else []
+                    if len(diverged) >= cfg.alarms.nonfinite_steps:
+                        raise DivergedError(diverged, rec.grad_norm, rdir.path)
             except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
                 raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
             finally:
@@ -255,7 +261,11 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         per_update["kl"] = kl_reward
     resp_tokens = float(batch.response_mask.sum())
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
-    algo.update({k: v for k, v in per_update.items() if k.startswith("value_")})
+    algo.update({k: v for k, v in per_update.items() if k.startswith("value_") and k != "value_nonfinite_updates"})
+    for key in ("nonfinite_updates", "value_nonfinite_updates"):  # updates skipped for a nan/inf gradient norm
+        if totals.get(key):
+            algo[key] = int(totals[key])
+            algo["updates"] = n_updates
     if ppo:
         algo["policy_updated"] = update_policy
     if "rows_skipped" in totals:  # rows the update left out: zero advantage, no gradient (engine/backends/zero_advantage.py)
@@ -430,6 +440,20 @@ def _last_checkpoint_hint(run_dir: Path) -> str:
         return (f"No checkpoint was saved yet: fix the function and start again (`checkpoint.overwrite=true` "
                 f"replaces {run_dir}).")
     return f"The last checkpoint, {latest.path}, is intact: fix the function and continue with `rl resume {run_dir}`."
+
+
+class DivergedError(UserError):
+    """Every policy update of ``alarms.nonfinite_steps`` steps in a row had a nan/inf gradient."""
+
+    def __init__(self, steps: list[int], grad_norm: float, run_dir: Path):
+        span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+        super().__init__(
+            f"Training diverged: every policy update of {span} had a non-finite gradient norm ({grad_norm}), so each "
+            f"was skipped and the run is going nowhere. Checkpoints from step {steps[0]} on hold the weights of step "
+            f"{steps[0] - 1} (no later update was applied), which may be what diverges; optim.* cannot change on "
+            f"resume, so start a new run with a lower optim.lr or optim.grad_clip > 0, check the reward for "
+            f"outliers, or train in model.dtype=float32 (`checkpoint.overwrite=true` replaces {run_dir}; "
+            f"alarms.nonfinite_steps sets how many such steps stop a run).", title="training diverged")
 
 
 def _rows_up_to(path: Path, step: int) -> list[dict]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
 import torch
 
 from engine.algorithms.value_loss import value_loss, values_per_token
@@ -184,7 +185,8 @@ class MegatronCritic:
             sums["value_clip_frac"] += clipped.item()
         finalize_model_grads([self.model])
         norm = self.opt.step(self.cfg.critic.grad_clip)   # constant LR: no schedule to step
-        return {"metrics": sums, "replicated": {"value_grad_norm": float(norm)}}
+        return {"metrics": sums, "replicated": {"value_grad_norm": float(norm),
+                                                "value_nonfinite_updates": 0.0 if math.isfinite(norm) else 1.0}}
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
     def checkpoint_state(self) -> dict:

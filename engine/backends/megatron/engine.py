@@ -32,6 +32,7 @@ Loading slices each rank's shard out of full tensors, so any TP/DP layout can re
 
 from __future__ import annotations
 
+import math
 import logging
 import warnings
 from contextlib import contextmanager
@@ -323,7 +324,8 @@ class MegatronEngine(TrainEngine):
         self.bucket_policy.maybe_refresh(self._updates)
         self._gen_stale = True
         stats.metrics = sums
-        stats.replicated = {"grad_norm": float(grad_norm), "lr": self.opt.scheduler.get_last_lr()[0]}
+        stats.replicated = {"grad_norm": float(grad_norm), "lr": self.opt.scheduler.get_last_lr()[0],
+                            "nonfinite_updates": 0.0 if math.isfinite(grad_norm) else 1.0}
         return stats
 
     # ---- rollout / export ---------------------------------------------------------------

@@ -58,8 +58,14 @@ class MainGradAdamW:
         return sq.sqrt()
 
     def step(self, clip: float) -> float:
-        """Clip (``clip`` <= 0: off), step, copy fp32 mains back. Returns the pre-clip norm."""
+        """Clip (``clip`` <= 0: off), step, copy fp32 mains back. Returns the pre-clip norm. A
+        non-finite norm (nan/inf: the same on every rank, all-reduced) skips the step, as the
+        FSDP engine does: a nan gradient would make every weight nan."""
         norm = self.grad_norm()
+        if not bool(torch.isfinite(norm)):
+            for main in self.mains:
+                main.grad = None
+            return float(norm)
         coef = 1.0
         if clip > 0:
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
