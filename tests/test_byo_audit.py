@@ -431,3 +431,28 @@ def test_utf16_file_says_to_save_it_as_utf8(tmp_path, reward, encoding):
         task(tmp_path / "w.jsonl", reward)
     (tmp_path / "ok.jsonl").write_text(jsonl(ROWS), encoding="utf-8-sig")  # a UTF-8 BOM is fine
     assert len(task(tmp_path / "ok.jsonl", reward).train) == len(ROWS)
+
+
+def test_by_data_source_scores_verl_rows_as_verl_does_and_refuses_unknown_sources(tmp_path):
+    """verl's data has no reward named in it: verl scores each row by its data_source. rl had no
+    such rule, so a verl user had to write one; `rl:by_data_source` is it, and data it cannot score
+    is refused before the run rather than at the first such row."""
+    import json
+
+    from engine.rewards.builtin import by_data_source
+    from tests.cli_utils import cli, flat
+
+    assert by_data_source("q", "so #### 72", "72", data_source="openai/gsm8k") == (1.0, True)
+    assert by_data_source("q", r"\boxed{3}", "3", data_source="AIME_2024") == (1.0, True)
+    assert by_data_source("q", r"\boxed{4}", "3", data_source="lighteval/MATH") == (0.0, False)
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "data_source": "openai/gsm8k",
+             "reward_model": {"ground_truth": str(i + 1), "style": "rule"}} for i in range(20)]
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows[7]["data_source"] = "my/custom"
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", "task=dataset",
+            "task.reward_fn=rl:by_data_source", "model=smollm2-135m"]
+    assert cli(*base, f"task.path={tmp_path / 'ok.jsonl'}").exit_code == 0
+    r = cli(*base, f"task.path={tmp_path / 'bad.jsonl'}")
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "my/custom" in text and "rl:by_data_source" in text, text

@@ -6,6 +6,8 @@
   rl:exact_match   the stripped response equals the stripped answer        -> (1.0|0.0, correct)
   rl:boxed_format  1.0 when the response gives a \\boxed{...} answer
   rl:think_format  1.0 when the response is <think>...</think> followed by a non-empty answer
+  rl:by_data_source  verl's default: each row scored by the rule for its ``data_source``
+                   (openai/gsm8k -> gsm8k; MATH, MATH-500, AIME, DAPO-Math -> math_boxed)
 
 Answers are compared after light normalisation (spaces, a surrounding $...$, \\text{}, a
 trailing period, thousands separators), and numerically when both sides are numbers.
@@ -98,4 +100,33 @@ def think_format(prompt, response: str, answer: str) -> float:
     return float(_THINK.fullmatch(response) is not None)
 
 
-BUILTINS = {f.__name__: f for f in (math_boxed, gsm8k, exact_match, boxed_format, think_format)}
+# verl's data_source values (its examples/data_preprocess and recipes) -> the rule that scores them
+DATA_SOURCE_RULES = {
+    "openai/gsm8k": gsm8k, "gsm8k": gsm8k,
+    "lighteval/MATH": math_boxed, "DigitalLearningGmbH/MATH-lighteval": math_boxed,
+    "HuggingFaceH4/MATH-500": math_boxed, "math_dapo": math_boxed, "math": math_boxed,
+}
+_DATA_SOURCE_PREFIXES = (("aime", math_boxed),)
+
+
+def rule_for(data_source) -> Optional[object]:
+    """The built-in rule for a verl ``data_source`` value, or None when it has none."""
+    if not isinstance(data_source, str):
+        return None
+    rule = DATA_SOURCE_RULES.get(data_source)
+    if rule is None:
+        rule = next((r for prefix, r in _DATA_SOURCE_PREFIXES if data_source.lower().startswith(prefix)), None)
+    return rule
+
+
+def by_data_source(prompt, response: str, answer: str, data_source=None) -> tuple[float, bool]:
+    rule = rule_for(data_source)
+    if rule is None:
+        known = ", ".join(sorted(DATA_SOURCE_RULES))
+        raise ValueError(
+            f"rl:by_data_source has no rule for data_source={data_source!r} (it knows {known} and aime*). Name "
+            f"the reward for this data instead, e.g. task.reward_fn=rl:math_boxed or your own module:function")
+    return rule(prompt, response, answer)
+
+
+BUILTINS = {f.__name__: f for f in (math_boxed, gsm8k, exact_match, boxed_format, think_format, by_data_source)}

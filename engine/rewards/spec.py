@@ -169,7 +169,8 @@ def user_reward_specs(task_cfg) -> list[RewardFnSpec]:
     names = several or ([single] if single else [])
     if not names:
         raise ConfigError("A dataset task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match`, a "
-                          "built-in such as `task.reward_fn=rl:math_boxed`, or several with "
+                          "built-in such as `task.reward_fn=rl:math_boxed` (`rl:by_data_source` for verl data: each "
+                          "row by its data_source, as verl's default), or several with "
                           "`'task.reward_fns=[mod:fmt,mod:acc]'`. The current directory is importable.",
                           title="invalid config")
     weights = list(task_cfg.reward_weights or [])

@@ -46,6 +46,8 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
     visible = set(columns) - {cfg.prompt_key} | ({"ground_truth"} if fmt == "verl" else set())
     for s in specs:
         check_signature(s, resolve(s.target), visible | ({"answer"} if s.batched else set()))
+    if any(s.target == DATA_SOURCE_TARGET for s in specs):
+        _check_data_sources(rows + (val_rows if val_ds is not None else []), origin)
     first = resolve(specs[0].target)
     info = {"format": fmt, "source": opened.source, "kind": opened.kind, "split": cfg.split,
             "val_split": cfg.val_split or None, "columns": columns, "rows": {"train": len(train), "val": len(val)},
@@ -53,3 +55,25 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
     # printable ASCII lets the built-in character tokenizer serve the tiny model on text prompts; a
     # real model (model.path / a preset) brings its own tokenizer and ignores this
     return Task(cfg.name, train, val, first, alphabet=string.printable, reward_specs=specs, data_info=info)
+
+
+DATA_SOURCE_TARGET = "engine.rewards.builtin:by_data_source"
+
+
+def _check_data_sources(rows: list[dict], origin: str) -> None:
+    """rl:by_data_source scores each row by its data_source: refuse, before the run, data whose
+    rows have none or one it has no rule for (else the first such row stops the run)."""
+    from engine.rewards.builtin import DATA_SOURCE_RULES, rule_for
+
+    values = {r.get("data_source") for r in rows}
+    unknown = sorted(str(v) for v in values if rule_for(v) is None)
+    if unknown:
+        missing = None in values
+        raise ConfigError(
+            f"`task.reward_fn=rl:by_data_source` scores each row by the rule for its data_source, and {origin} "
+            + ("has rows without a data_source column. " if missing else "")
+            + (f"has data_source values it has no rule for: {', '.join(u for u in unknown if u != 'None')[:300]}. "
+               if any(u != "None" for u in unknown) else "")
+            + f"It knows {', '.join(sorted(DATA_SOURCE_RULES))} and aime*. Name the reward for this data instead "
+            f"(task.reward_fn=rl:math_boxed, rl:gsm8k, or your own module:function).", title="invalid config")
+
