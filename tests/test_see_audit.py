@@ -261,3 +261,54 @@ def test_a_damaged_tracking_json_starts_new_logger_runs(tmp_path):
         assert read_state(tmp_path) == {}
         update_state(tmp_path, wandb_run_id="abc")
         assert read_state(tmp_path) == {"wandb_run_id": "abc"}
+
+
+def test_a_run_without_metrics_jsonl_says_why_only_val_metrics_exist(tmp_path):
+    """A run started (or resumed) with trainer.loggers without jsonl keeps only validation.jsonl;
+    `rl plot RUN` then said only "no metric `train/reward` ... did you mean `val/reward`", not
+    why the step metrics were missing nor how to keep them."""
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "validation.jsonl").write_text('{"step": 0, "accuracy": 0.1, "reward": 0.2}\n')
+    r = cli("plot", str(tmp_path))
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "without jsonl" in text and "Did you mean `val/reward`?" in text, text
+    assert _plot_json(str(tmp_path), "--metric", "val/reward")["runs"][0]["steps"] == [0]
+
+
+def test_integers_beyond_any_float_are_not_drawn(tmp_path):
+    """A metrics.jsonl or validation.jsonl value of 10**400 (damaged digits; JSON has no limit)
+    was an OverflowError traceback from `rl plot` (math.isfinite on the int). Such a value is not
+    a finite number and is not drawn, like NaN."""
+    big = "1" + "0" * 400
+    (tmp_path / "metrics.jsonl").write_text(
+        f'{{"step": 1, "reward_mean": {big}}}\n{{"step": 2, "reward_mean": 0.5, "timing": {{"rollout": {big}}}}}\n')
+    (tmp_path / "validation.jsonl").write_text(f'{{"step": 0, "reward": {big}, "accuracy": 0.5}}\n')
+    d = _plot_json(str(tmp_path))
+    assert d["runs"][0]["steps"] == [2], d
+    d = _plot_json(str(tmp_path), "--metric", "val/accuracy")
+    assert d["runs"][0]["steps"] == [0], d
+    r = cli("plot", str(tmp_path), "--metric", "val/reward")
+    _no_traceback(r)
+    assert r.exit_code == 2 and "no metric `val/reward`" in flat(r.stderr), r.output
+
+
+def test_mem_report_integers_beyond_any_float_are_damage_not_a_traceback(tmp_path):
+    """memory.jsonl with `rss: 10**400` and metrics.jsonl micro_batch_shapes [[8, 10**400]] were
+    OverflowError tracebacks from `rl mem-report RUN` (integer division too large for a float).
+    The memory record is named as damaged (its value cut short in the message), exit 2; a shape
+    no run can have is skipped like other damaged shapes."""
+    big = "1" + "0" * 400
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {total_steps: 1}\n")
+    (run / "memory.jsonl").write_text(f'{{"phase": "update", "step": 1, "rank": 0, "rss": {big}}}\n')
+    r = cli("mem-report", str(run), "--json")
+    _no_traceback(r)
+    d = json.loads(r.stdout)
+    assert r.exit_code == 2 and "`rss` is 1000" in d["error"]["message"] and big not in d["error"]["message"], d
+    (run / "memory.jsonl").write_text('{"phase": "update", "step": 1, "rank": 0}\n')
+    (run / "metrics.jsonl").write_text(f'{{"step": 1, "micro_batch_shapes": [[8, {big}]]}}\n')
+    r = cli("mem-report", str(run))
+    _no_traceback(r)
+    assert r.exit_code == 0, r.output

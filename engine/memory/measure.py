@@ -153,7 +153,8 @@ def observed_seq_len(cfg, records: list[PhaseRecord], metrics: list[dict],
     ``config_estimate``: the estimate at the config's longest sequence, if already built."""
     lengths = [s[-1] for row in metrics for s in (row.get("micro_batch_shapes") or [])
                if isinstance(row.get("micro_batch_shapes"), list) and isinstance(s, list) and s
-               and isinstance(s[-1], int) and not isinstance(s[-1], bool)]  # a damaged row is skipped
+               and isinstance(s[-1], int) and not isinstance(s[-1], bool)
+               and 0 < s[-1] < 2**31]  # a damaged row is skipped (10**400 tokens overflowed the estimate)
     if lengths:
         t = max(lengths)
         return t, "metrics", f"the run's micro-batches (metrics.jsonl micro_batch_shapes, longest {t} tokens)"

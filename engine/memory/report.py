@@ -79,7 +79,15 @@ def _is_a(v, want: tuple) -> bool:
         return False
     if isinstance(v, (int, float)) and not isinstance(v, int) and not math.isfinite(v):
         return False
+    if isinstance(v, int) and abs(v) >= 2**63:  # no byte count or step is that big (10**400: a float overflow later)
+        return False
     return type(v).__name__ in kinds
+
+
+def _shown_value(v) -> str:
+    """A damaged value for a message: its repr, cut when long (a 400-digit number)."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 @dataclass
@@ -119,10 +127,10 @@ class PhaseRecord(_JSON):
         for k, v in kept.items():
             want = _RECORD_TYPES.get(k)
             if want is not None and not _is_a(v, want):
-                raise ValueError(f"`{k}` is {v!r}, not {want[1]}")
+                raise ValueError(f"`{k}` is {_shown_value(v)}, not {want[1]}")
         for k, v in (kept.get("categories") or {}).items():
             if not _is_a(v, (("int", "float"), "a number")):
-                raise ValueError(f"`categories.{k}` is {v!r}, not a number")
+                raise ValueError(f"`categories.{k}` is {_shown_value(v)}, not a number")
         return cls(**kept)
 
     @property

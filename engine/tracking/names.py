@@ -47,8 +47,12 @@ ALIASES: dict[str, str] = {"reward": "train/reward", "accuracy": "train/accuracy
 def _number(v) -> float | None:
     if isinstance(v, bool) or v is None:
         return None
-    if isinstance(v, (int, float)) and math.isfinite(v):
-        return float(v)
+    if isinstance(v, (int, float)):
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond any float (10**400 in a damaged row): not a finite number
+            return None
+        return f if math.isfinite(f) else None
     return None
 
 

@@ -54,6 +54,11 @@ def run_metrics(path: Path, only: str | None = None) -> dict[int, dict[str, floa
     """step -> every logged metric of that step (train/perf/mem from metrics.jsonl, val/ from
     validation.jsonl); with ``only``, just that metric (steps without it are left out), so
     plotting one metric of a long run keeps one number per step, not every row."""
+    return _scan(path, only)[0]
+
+
+def _scan(path: Path, only: str | None) -> tuple[dict[int, dict[str, float]], set[str]]:
+    """run_metrics, and the names of every metric the run has, in one pass over its files."""
     from engine.user_paths import file_kind, shown, stat_path
 
     st = stat_path(path, f"the run path {shown(path)}", title="no run")
@@ -67,14 +72,17 @@ def run_metrics(path: Path, only: str | None = None) -> dict[int, dict[str, floa
                         title="no run")
     metrics_rows, val_rows = _rows(root / METRICS_FILE), _rows(root / VALIDATION_FILE)
     by_step: dict[int, dict[str, float]] = {}
+    names: set[str] = set()
     rows = 0
     for row in metrics_rows:
         rows += 1
         m = step_metrics(row)
+        names.update(m)
         by_step[row["step"]] = m if only is None else {only: m[only]} if only in m else {}
     for row in val_rows:
         rows += 1
         m = validation_metrics(row.get("accuracy"), row.get("reward"))
+        names.update(m)
         by_step.setdefault(row["step"], {}).update(m if only is None else {only: m[only]} if only in m else {})
     if not rows:
         mf = root / METRICS_FILE
@@ -84,22 +92,27 @@ def run_metrics(path: Path, only: str | None = None) -> dict[int, dict[str, floa
                 if (root / "run.json").exists() else " It is not an rl run directory.")
         raise UserError(f"{path} has no metrics to plot (no rows in {root / METRICS_FILE}).{hint}",
                         title="no metrics")
-    return by_step
+    return by_step, names
 
 
 def load_series(path: Path, metric: str) -> Series:
     name = resolve_metric(metric)
-    by_step = run_metrics(path, only=name)
+    by_step, names = _scan(path, name)
     steps = sorted(s for s, m in by_step.items() if name in m)
     if not steps:
         from engine.config.validate import suggest
 
-        known = available_metrics(path)  # a second pass, only to name what the run has
+        known = sorted(names)
         listed = f" Its metrics: {', '.join(known)}." if known else " Its rows hold no finite numbers besides the step."
+        root = run_root(path)
+        if not name.startswith("val/") and not (root / METRICS_FILE).exists() and (root / "run.json").exists():
+            listed += (f" It has no {METRICS_FILE}, only {VALIDATION_FILE}: the run was started with trainer.loggers "
+                       f"without jsonl, so only its validation (val/) metrics can be drawn; add jsonl to "
+                       f"trainer.loggers (also on `rl resume`) to keep the step metrics.")
         raise UserError(f"{path} has no metric `{metric}` with a finite value (nan and inf are not drawn)."
                         f"{suggest(name, known)}{listed}", title="unknown metric")
     return Series(str(path), name, steps, [by_step[s][name] for s in steps])
 
 
 def available_metrics(path: Path) -> list[str]:
-    return sorted({k for m in run_metrics(path).values() for k in m})
+    return sorted(_scan(path, "")[1])  # only="": no metric is kept per step, just the names
