@@ -412,3 +412,16 @@ def test_ppo_with_a_critic_from_its_own_model_directory_trains(policy_and_critic
     r = cli("inspect-ckpt", str(tmp_path / "run" / "step_2"), "--keys", "*q_proj.bias", "--json")
     names = [t["name"] for t in json.loads(r.stdout)["tensors"]]
     assert names and all(n.startswith("critic.") for n in names), names
+
+
+def test_megatron_tp_that_does_not_split_the_heads_is_refused_by_the_dry_run(tmp_path):
+    """`--engine megatron engine.tensor_model_parallel_size=4` on a model with 2 key/value heads
+    passed --dry-run and was refused only after four ranks had started and built megatron."""
+    r = cli("train", "--engine", "megatron", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}",
+            "engine.tensor_model_parallel_size=4", "trainer.nprocs=4")
+    _no_traceback(r)
+    text = flat(r.stderr)
+    assert r.exit_code == 2 and "key/value heads (2)" in text and "in {1, 2}" in text, text
+    ok = cli("train", "--engine", "megatron", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}",
+             "engine.tensor_model_parallel_size=2", "trainer.nprocs=2")
+    assert ok.exit_code == 0, ok.output

@@ -64,10 +64,11 @@ def resolve_critic_path(cfg: RunConfig, vocab_size: int) -> str:
     if cfg.engine.name == "megatron":  # megatron converts only the architectures it maps
         from transformers import AutoConfig
 
-        from engine.backends.megatron.model import arch_from_hf_config
+        from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
         from engine.model.source import HF_LOAD_KWARGS
 
-        arch_from_hf_config(AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS))  # raises ConfigError
+        check_parallel_layout(arch_from_hf_config(AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS)),
+                              cfg.engine.tensor_model_parallel_size)  # raises ConfigError
     return path
 
 
@@ -116,6 +117,12 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
 
         check_vllm_config(cfg, head_dim_of(hf_config_for(cfg, model_path, vocab)))
+    if cfg.engine.name == "megatron":  # heads and MLP split over TP: refused here, not after the ranks start
+        from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
+        from engine.rollout.vllm_sampler import hf_config_for
+
+        check_parallel_layout(arch_from_hf_config(hf_config_for(cfg, model_path, vocab)),
+                              cfg.engine.tensor_model_parallel_size)
     from engine.rewards.compute import make_runner
 
     return RunInputs(task, tok, train, val, model_path, vocab, make_runner(task, cfg.task))

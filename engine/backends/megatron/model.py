@@ -126,13 +126,16 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def check_parallel_layout(arch: Arch, tp: int) -> None:
+    fits = [t for t in range(1, arch.num_heads + 1)
+            if not (arch.num_heads % t or arch.num_kv_heads % t or arch.intermediate_size % t)]
+    sizes = f" This model takes engine.tensor_model_parallel_size in {{{', '.join(map(str, fits))}}}."
     if arch.num_kv_heads % tp or arch.num_heads % tp:
         raise ConfigError(f"engine.tensor_model_parallel_size={tp} must divide the number of key/value heads "
-                          f"({arch.num_kv_heads}) and attention heads ({arch.num_heads}); pick a TP size that does.",
+                          f"({arch.num_kv_heads}) and attention heads ({arch.num_heads}).{sizes}",
                           title="invalid parallel layout")
     if arch.intermediate_size % tp:
         raise ConfigError(f"engine.tensor_model_parallel_size={tp} must divide the MLP size "
-                          f"({arch.intermediate_size}).", title="invalid parallel layout")
+                          f"({arch.intermediate_size}).{sizes}", title="invalid parallel layout")
 
 
 def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, sequence_parallel: bool = False,
