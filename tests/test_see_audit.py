@@ -126,7 +126,7 @@ def test_terminal_chart_of_a_long_run_draws_a_bounded_number_of_points():
 def test_run_paths_with_brackets_are_shown_not_read_as_markup(tmp_path, monkeypatch):
     """A run directory `c[/]` (`]` inside `c[`) made `rl plot --list` and `rl mem-report` a rich MarkupError
     traceback (exit 1), and `b[red]` was shown as `b`; `--png 'x[/].png'` failed the same way
-    after the PNG was written."""
+    after the PNG was written, and `--list` on a row with a nested key `[/]` too."""
     for name in ("c[/]", "b[red]"):
         run = tmp_path / name
         run.mkdir(parents=True)
@@ -138,6 +138,10 @@ def test_run_paths_with_brackets_are_shown_not_read_as_markup(tmp_path, monkeypa
     r = cli("plot", a, b, "--list")
     _no_traceback(r)
     assert r.exit_code == 0 and "c[/]:" in r.stdout and "b[red]:" in r.stdout, r.output
+    (tmp_path / "b[red]" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.1, "timing": {"[/]": 1.0}}\n')
+    r = cli("plot", b, "--list")  # a metric name from the file, also not markup
+    _no_traceback(r)
+    assert r.exit_code == 0 and "perf/time/[/]" in r.stdout, r.output
     r = cli("plot", a, "--png", str(tmp_path / "c[/]" / "x[/].png"))
     _no_traceback(r)
     assert r.exit_code == 0 and "x[/].png" in flat(r.stdout), r.output
@@ -312,3 +316,22 @@ def test_mem_report_integers_beyond_any_float_are_damage_not_a_traceback(tmp_pat
     r = cli("mem-report", str(run))
     _no_traceback(r)
     assert r.exit_code == 0, r.output
+
+
+def test_several_runs_are_named_when_the_legend_does_not_fit(tmp_path):
+    """plotext drops its legend box, without a word, when it does not fit the chart: 7 runs at
+    the default height, or 2 at --height 10 (drawn across the x axis), were unlabelled lines.
+    The legend then goes under the chart, each run with its own marker (also without colour,
+    where the runs' lines looked alike)."""
+    from engine.tracking.series import Series
+    from rlcli.render.plot import legend_fits, terminal_chart
+
+    series = [Series(str(tmp_path / f"run{i}"), "train/reward", [1, 2, 3], [0.1 * i, 0.2, 0.3]) for i in range(8)]
+    for color in (False, True):
+        chart = terminal_chart(series, "train/reward", width=80, height=18, color=color)
+        assert all(f"run{i}" in chart for i in range(8)), chart
+    assert not legend_fits(8, 18) and legend_fits(2, 18) and not legend_fits(2, 10)
+    chart = terminal_chart(series[:2], "train/reward", width=60, height=10, color=False)
+    assert "▚ run0   x run1" in chart, chart
+    chart = terminal_chart(series[:2], "train/reward", width=60, height=18, color=False)
+    assert "run0" in chart and "run1" in chart and "xxx" in chart, chart  # in the box; run1 drawn with x

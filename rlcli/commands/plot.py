@@ -63,8 +63,8 @@ def register(app: typer.Typer) -> None:
             else:
                 from rich.markup import escape
 
-                for r, names in found.items():  # a path is shown as typed, never read as markup (`runs/[a]`)
-                    console.print(f"[bold]{escape(r)}[/]: {', '.join(names)}")
+                for r, names in found.items():  # paths and names as they are, never read as markup (`runs/[a]`)
+                    console.print(f"[bold]{escape(r)}[/]: {escape(', '.join(names))}")
             return
         if png:  # before any reading: a typo must never replace a user's file (metrics.jsonl) or a device
             from engine.user_paths import PNG_MAGIC, check_output_file

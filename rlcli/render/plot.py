@@ -73,23 +73,44 @@ def thinned(steps: list, values: list, buckets: int) -> tuple[list, list]:
     return xs, ys
 
 
+# One marker per run when colour cannot tell the runs apart (no colour, or the legend under the
+# chart): plotext's own legend samples are all its default marker. "hd" is plotext's default (▚).
+MARKERS = ("hd", "x", "+", "o", "*", "#", "@", "%", "=", "~")
+
+
+def legend_fits(runs: int, height: int) -> bool:
+    """Whether plotext's legend box (two rows a run, inside the plot) fits a chart ``height``
+    rows high. Beyond that plotext dropped it without a word (7 runs at the default height: 7
+    unlabelled lines) or drew it across the x axis."""
+    return runs <= (height - 7) // 2
+
+
 def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 16, color: bool = True) -> str:
-    """A line per series, drawn by plotext; ANSI colours only when ``color``."""
+    """A line per series, drawn by plotext; ANSI colours only when ``color``. Several runs: a
+    legend in the chart when it fits, else one line under it (each run with its own marker)."""
     plt = _need("plotext")
     fig = plt.figure
     fig.clear()
     fig.plot_size(width, height)
     fig.theme("dark" if color else "colorless")
-    for s in series:
+    several = len(series) > 1
+    inside = not several or legend_fits(len(series), height)
+    below = []
+    for i, s in enumerate(series):
         steps, values = thinned(s.steps, s.values, max(width, 1) * 2)
-        sig = fig.signal(_drawable(steps), _drawable(values))
+        marker = MARKERS[i % len(MARKERS)] if several and (not color or not inside) else None
+        sig = fig.signal(_drawable(steps), _drawable(values), marker=marker)
         sig.lines()
-        if len(series) > 1 or s.metric != title:
-            sig.label(label_of(s, series) if len(series) > 1 else s.metric)
+        label = label_of(s, series) if several else s.metric
+        if inside and (several or s.metric != title):
+            sig.label(label)
+        elif not inside:
+            below.append(f"{'▚' if marker == 'hd' else marker} {label}")
         fig.draw(sig)
     fig.title(title)
     fig.label("step", axis="x")
-    return fig.build().string(colorless=not color)
+    chart = fig.build().string(colorless=not color)
+    return chart + ("\n" + "   ".join(below) if below else "")
 
 
 def png_chart(series: list, title: str, out: Path) -> Path:
