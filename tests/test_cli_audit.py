@@ -425,3 +425,17 @@ def test_megatron_tp_that_does_not_split_the_heads_is_refused_by_the_dry_run(tmp
     ok = cli("train", "--engine", "megatron", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}",
              "engine.tensor_model_parallel_size=2", "trainer.nprocs=2")
     assert ok.exit_code == 0, ok.output
+
+
+def test_lora_targets_that_name_no_linear_layer_are_refused_before_the_run(tmp_path):
+    """`model.lora.target_modules=[foo]` passed --dry-run and died on the rank with peft's
+    NoMatchingPeftModuleError traceback; `model.lora.alpha=0` scaled every adapter to nothing."""
+    base = ["train", "--dry-run", f"checkpoint.dir={tmp_path / 'run'}", "model.lora.rank=4"]
+    for targets, said in (("[foo]", "`foo` is the name of no module"), ("[q_proj,mlp]", "`mlp` is a module that is not")):
+        r = cli(*base, f"model.lora.target_modules={targets}")
+        _no_traceback(r)
+        text = flat(r.stderr)
+        assert r.exit_code == 2 and said in text and "Its linear layers: down_proj" in text, text
+    assert cli(*base, "model.lora.target_modules=[self_attn.q_proj,v_proj]").exit_code == 0  # peft's dotted suffix
+    r = cli(*base, "model.lora.alpha=0")
+    assert r.exit_code == 2 and "`model.lora.alpha` must be > 0.0" in flat(r.stderr), r.output

@@ -107,7 +107,7 @@ class TaskConfig:
 @dataclass
 class LoraConfig:
     rank: int = _f(0, "LoRA rank (peft); 0 = off, the whole model trains. FSDP engine only", min=0)
-    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank", min=0.0)
+    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank (0 would train nothing)", above=0.0)
     dropout: float = _f(0.0, "dropout on the LoRA input", min=0.0, max=1.0)
     target_modules: list = _f([], "module names to adapt, e.g. [q_proj,v_proj]; empty = peft's default for the architecture (all linear layers if it has none)")
 

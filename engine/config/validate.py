@@ -73,8 +73,10 @@ def check_key(key: str, engine_name: str | None) -> None:
         return
     head = key.split(".", 1)[0]
     if head not in sections:
+        inside = sorted(k for k in keys if k.endswith("." + key))  # `lora.rank` is model.lora.rank
+        hint = f" Did you mean `{inside[0]}`?" if len(inside) == 1 else suggest(head, list(sections))
         raise ConfigError(
-            f"Unknown config section `{head}` in `{key}`.{suggest(head, list(sections))} "
+            f"Unknown config section `{head}` in `{key}`.{hint} "
             f"Sections are: {', '.join(sections)}. See `rl train --help` or docs/config-reference.md.",
             title="unknown config key")
     other = all_keys(None, include_all_engines=True)

@@ -48,6 +48,35 @@ def peft_config(lora_cfg, model_type: str):
                       target_modules=target_modules(lora_cfg, model_type), bias="none", task_type="CAUSAL_LM")
 
 
+def check_targets(lora_cfg, hf_config) -> None:
+    """Refuse, before any rank starts, configured target modules that name no linear layer of
+    the model (peft raises on the rank otherwise). The model is built on the meta device: no
+    weights are read or allocated."""
+    if not lora_cfg.rank or not lora_cfg.target_modules:
+        return
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, Conv1D)
+    modules = dict(model.named_modules())
+
+    def named(t: str) -> list:  # peft's rule for a list entry: the module's name, or a dotted suffix of it
+        return [m for n, m in modules.items() if n == t or n.endswith("." + t)]
+
+    bad = [str(t) for t in lora_cfg.target_modules if not any(isinstance(m, kinds) for m in named(str(t)))]
+    if bad:
+        head = model.get_output_embeddings()
+        names = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                                  if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}))
+        what = "; ".join(f"`{t}` is {'a module that is not a linear layer' if named(t) else 'the name of no module'}"
+                         for t in bad)
+        raise ConfigError(f"model.lora.target_modules={list(lora_cfg.target_modules)}: {what} in this "
+                          f"{hf_config.model_type} model. Its linear layers: {names}. Or leave the list empty for "
+                          f"peft's default.", title="invalid config value")
+
+
 def state_dict_sha256(model: torch.nn.Module) -> str:
     """sha256 over every tensor of ``model`` (names, dtypes, shapes, bytes) in name order: the
     identity of the base weights a LoRA checkpoint was trained on."""

@@ -117,6 +117,11 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
         from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
 
         check_vllm_config(cfg, head_dim_of(hf_config_for(cfg, model_path, vocab)))
+    if cfg.model.lora.rank and cfg.model.lora.target_modules:  # peft would raise on the rank
+        from engine.model.lora import check_targets
+        from engine.rollout.vllm_sampler import hf_config_for
+
+        check_targets(cfg.model.lora, hf_config_for(cfg, model_path, vocab))
     if cfg.engine.name == "megatron":  # heads and MLP split over TP: refused here, not after the ranks start
         from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
         from engine.rollout.vllm_sampler import hf_config_for
