@@ -318,7 +318,7 @@ def test_dry_run_json_reports_preflight_and_is_standard_json():
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     names = [c["name"] for c in out["preflight"]["checks"]]
-    assert names == ["extras", "device", "reward function", "model and task", "run directory"]
+    assert names == ["extras", "device", "reward function", "model and task", "host memory", "run directory"]
     assert out["preflight"]["ok"] is True and out["preflight"]["estimated_checkpoint_bytes"] > 0
     assert not os.path.exists("ckpt")  # the writability probe leaves nothing
 
@@ -357,3 +357,25 @@ def test_every_builtin_task_refuses_a_reward_fn():
         cfg = load_run_config([f"task={name}", "task.reward_fn=rl:exact_match"]).config
         with pytest.raises(ConfigError, match="does not apply to the built-in task"):
             check_reward(cfg, resume=False)
+
+
+def test_more_local_ranks_than_host_memory_holds_is_refused(tmp_path, monkeypatch):
+    """`trainer.nprocs=64` on a laptop started 64 Ray actors that each import torch (~0.4 GiB
+    apiece): the machine swapped until the OOM killer took a rank. A private local Ray's ranks
+    are now checked against MemAvailable first; a joined cluster's are not (they are elsewhere)."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+    from engine.trainer.preflight import check_host_memory
+    from engine.trainer.setup import prepare_inputs
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the suite's own session cluster: a local run here
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8000000 kB\nMemAvailable:    4000000 kB\n")  # ~3.8 GiB available
+    cfg = load_run_config(["trainer.nprocs=16"]).config
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(cfg, prepare_inputs(cfg), meminfo=str(meminfo))
+    assert "trainer.nprocs=16" in e.value.message and "Lower trainer.nprocs (at most ~" in e.value.message
+    ok = load_run_config(["trainer.nprocs=2"]).config
+    assert "available" in check_host_memory(ok, prepare_inputs(ok), meminfo=str(meminfo))
+    joined = load_run_config(["trainer.nprocs=16", "trainer.ray_address=10.0.0.1:6379"]).config
+    assert "not checked" in check_host_memory(joined, prepare_inputs(joined), meminfo=str(meminfo))

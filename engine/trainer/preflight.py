@@ -182,20 +182,59 @@ def estimate_checkpoint_bytes(cfg: RunConfig, resume=None, inputs=None) -> int |
             return sum(p.stat().st_size for p in Path(resume.step_dir).rglob("*") if p.is_file())
         except OSError:
             return None
-    model_path = getattr(inputs, "model_path", None)
+    n = estimated_params(cfg, inputs)
+    if n is None:
+        return None
+    per_param = (2 if cfg.model.dtype == "bfloat16" else 4) + 8
+    return int(n * per_param * 1.25) + 256 * 1024
+
+
+def estimated_params(cfg: RunConfig, inputs) -> int | None:
+    """The policy's parameter count without building it: the tiny model's from its dims, a model
+    directory's from its weight files (assumed 16-bit on disk). None when unknown."""
     if inputs is None:
         return None
+    model_path = getattr(inputs, "model_path", None)
     if model_path:
         try:
             weights = sum(p.stat().st_size for p in Path(model_path).iterdir()
                           if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
         except OSError:
             return None
-        n = weights // 2
-    else:
-        n = tiny_param_count(cfg, inputs.vocab["size"])
-    per_param = (2 if cfg.model.dtype == "bfloat16" else 4) + 8
-    return int(n * per_param * 1.25) + 256 * 1024
+        return weights // 2
+    return tiny_param_count(cfg, inputs.vocab["size"])
+
+
+RANK_BASE_BYTES = 400 * 2**20  # one rank's (and the driver's) host memory before any weight: Python, torch,
+# transformers, Ray's worker (measured: 420-550 MiB RSS for a rank of the embedded default job)
+
+
+def check_host_memory(cfg: RunConfig, inputs, meminfo: str = "/proc/meminfo") -> str:
+    """A private local Ray puts every rank on this machine: refuse a rank count whose floor of
+    host memory (each rank's base, plus its share of the weights, gradients and AdamW moments in
+    fp32) is above what the machine has available, before it swaps or the OOM killer picks a
+    rank. A joined cluster's nodes are not checked from here."""
+    from engine.trainer.ray_cluster import resolve_address
+
+    if not resolve_address(cfg.trainer.ray_address).local:
+        return "ranks on the cluster's nodes: not checked here"
+    try:
+        avail = next(int(line.split()[1]) * 1024 for line in Path(meminfo).read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return "available memory unknown: not checked"
+    n = cfg.trainer.nprocs
+    params = estimated_params(cfg, inputs) or 0
+    need = (n + 1) * RANK_BASE_BYTES + params * 16  # sharded over the ranks: the whole model's 16 B/param once
+    if need > avail:
+        fit = max(1, (avail - params * 16) // RANK_BASE_BYTES - 1)
+        raise ConfigError(
+            f"`trainer.nprocs={n}` puts {n} ranks on this machine (a private local Ray), which need at least "
+            f"{_fmt_bytes(need)} of host memory ({n} ranks and the driver at ~{_fmt_bytes(RANK_BASE_BYTES)} each, "
+            f"plus {_fmt_bytes(params * 16)} for the weights, gradients and AdamW state); {_fmt_bytes(avail)} is "
+            f"available. Lower trainer.nprocs (at most ~{fit} fit here), or join a Ray cluster with more nodes "
+            f"(trainer.ray_address).", title="not enough memory")
+    return f"{n} rank(s) need at least {_fmt_bytes(need)}; {_fmt_bytes(avail)} available"
 
 
 def tiny_param_count(cfg: RunConfig, vocab: int) -> int:
@@ -295,8 +334,12 @@ def preflight(cfg: RunConfig, *, run_dir: Path | None = None, resume=None,
     _record(report, "device", lambda: _check_device(cfg))
     reward_ok = _record(report, "reward function", lambda: check_reward(cfg, resume is not None))
     if extras_ok and reward_ok:
-        _record(report, "model and task", lambda: check_model_and_task(cfg, report))
+        if _record(report, "model and task", lambda: check_model_and_task(cfg, report)):
+            _record(report, "host memory", lambda: check_host_memory(cfg, report.inputs))
+        else:
+            _skip(report, "host memory", "fix the problems above first")
     else:
         _skip(report, "model and task", "fix the problems above first")
+        _skip(report, "host memory", "fix the problems above first")
     _record(report, "run directory", lambda: check_run_dir(cfg, run_dir, report, resume))
     return report
