@@ -351,6 +351,8 @@ def test_zero_temperature_is_refused_before_the_run():
     text = flat(r.stderr)
     assert r.exit_code == 2 and "`rollout.temperature` must be > 0.0" in text, text
     assert cli("train", "--dry-run", "rollout.temperature=0.05").exit_code == 0
+    r = cli("train", "--dry-run", "rollout.top_p=0")  # vLLM's SamplingParams raised on the rank
+    assert r.exit_code == 2 and "`rollout.top_p` must be > 0.0" in flat(r.stderr), r.output
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "dapo"])

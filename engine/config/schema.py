@@ -178,7 +178,7 @@ class RolloutConfig:
     name: str = _f("torch", "generation backend", choices=["torch", "vllm"])
     temperature: float = _f(1.0, "sampling temperature (> 0: the trainer's log-probs divide by it; validation "
                                  "is greedy whatever it is)", above=0.0)
-    top_p: float = _f(1.0, "nucleus sampling mass", min=0.0, max=1.0)
+    top_p: float = _f(1.0, "nucleus sampling mass, in (0, 1] (as vLLM takes it); 1 = off", above=0.0, max=1.0)
     max_new_tokens: int = _f(12, "longest response", min=1)
     micro_batch_size: int = _f(0, "sequences generated together per rank; 0 = all at once", min=0)
     decode_lanes: int = _f(0, "torch rollout: decode the rows as this many lanes of whole prompt groups, each on "
