@@ -335,3 +335,41 @@ def test_several_runs_are_named_when_the_legend_does_not_fit(tmp_path):
     assert "▚ run0   x run1" in chart, chart
     chart = terminal_chart(series[:2], "train/reward", width=60, height=18, color=False)
     assert "run0" in chart and "run1" in chart and "xxx" in chart, chart  # in the box; run1 drawn with x
+
+
+def test_mlflow_continues_its_run_after_the_run_directory_moved(tmp_path):
+    """tracking.json keeps the MLflow URI with the run directory's absolute path: after `mv
+    ckpt/ runs/a` each `rl resume` started a new MLflow run in the moved mlflow.db holding only
+    the new steps (the old run, with steps 1..2, left behind beside it). And a deleted mlflow.db
+    (the id no longer in the store) stopped the run: "The mlflow logger failed ... Run not found".
+    The run's own store is asked whether it holds the id."""
+    import shutil
+
+    from engine.tracking.base import LoggerContext
+    from engine.tracking.mlflow_logger import DB_FILE, MlflowLogger
+
+    def ctx(d, through):
+        return LoggerContext(run_dir=d, run_name=d.name, project="rl", config={"a": {"b": 1}},
+                             resume_step=None if through < 0 else through, logged_through=through)
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    lg = MlflowLogger(ctx(a, -1))
+    first = lg.run_id
+    for step in (1, 2):
+        lg.log_metrics(step, {"train/reward": step / 10})
+    lg.close()
+    shutil.move(a, b)
+    lg = MlflowLogger(ctx(b, 2))
+    assert lg.run_id == first and lg.skip_through == 2
+    lg.log_metrics(3, {"train/reward": 0.3})
+    lg.close()
+    steps = sorted(m.step for m in lg.client.get_metric_history(first, "train/reward"))
+    assert steps == [1, 2, 3], steps
+    c = tmp_path / "c"  # tracking.json without its mlflow.db (deleted): a store without that run
+    c.mkdir()
+    shutil.copy(b / "tracking.json", c / "tracking.json")
+    assert not (c / DB_FILE).exists()
+    lg = MlflowLogger(ctx(c, 3))
+    assert lg.run_id != first
+    lg.close()

@@ -63,8 +63,18 @@ class MlflowLogger(Logger):
         self.client = MlflowClient(tracking_uri=self.uri)
         self.skip_through = ctx.logged_through
         state = read_state(ctx.run_dir)
-        run_id = state.get("mlflow_run_id") if state.get("mlflow_tracking_uri") == self.uri else None
+        run_id = state.get("mlflow_run_id")
+        if state.get("mlflow_tracking_uri") != self.uri and os.environ.get("MLFLOW_TRACKING_URI"):
+            run_id = None  # another server or store than the run's: a new run there
+        # The run's own store (mlflow.db in the run directory) holds the id also after the directory
+        # was moved or copied (the saved URI names the old path: each resume started a new MLflow
+        # run holding only the new steps); a deleted or replaced mlflow.db no longer holds it (a
+        # failed update_run stopped the run): then a new run.
+        if run_id and not self._holds(run_id):
+            run_id = None
         if run_id:
+            if state.get("mlflow_tracking_uri") != self.uri:  # the run directory moved: its store's new path
+                update_state(ctx.run_dir, mlflow_tracking_uri=self.uri)
             self.client.update_run(run_id, status="RUNNING")
             # what MLflow itself holds (a kill can lose the last unflushed batch that metrics.jsonl has)
             held = self.client.get_metric_history(run_id, "train/reward")
@@ -87,6 +97,15 @@ class MlflowLogger(Logger):
                          mlflow_experiment_id=exp_id)
         self.run_id = run_id
         self._pending: list = []
+
+    def _holds(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if step > self.skip_through:
