@@ -373,3 +373,13 @@ def test_mlflow_continues_its_run_after_the_run_directory_moved(tmp_path):
     lg = MlflowLogger(ctx(c, 3))
     assert lg.run_id != first
     lg.close()
+
+
+def test_mem_report_estimate_of_a_run_directory_says_to_drop_estimate(tmp_path):
+    """`rl mem-report ckpt/ --estimate` said "`ckpt/` is not an override. Overrides look like
+    key=value", not that --estimate reports a config and the run is reported without it."""
+    r = cli("mem-report", str(tmp_path), "--estimate", "--json")
+    _no_traceback(r)
+    d = json.loads(r.stdout)
+    assert r.exit_code == 2 and "without --estimate" in d["error"]["message"], d
+    assert f"rl mem-report {tmp_path}" in d["error"]["message"], d

@@ -69,6 +69,13 @@ def register(app: typer.Typer) -> None:
         console, err_console = stdout_console(), stderr_console()
 
         args = list(args or [])
+        if estimate and args and "=" not in args[0]:
+            from pathlib import Path
+
+            if Path(args[0]).expanduser().exists():  # "not an override" did not say what to do instead
+                fail(f"`{args[0]}` is a path, and --estimate takes key=value overrides of a config, not a run. "
+                     f"To report that run (its memory.jsonl beside the estimate of its config): `rl mem-report "
+                     f"{args[0]}`, without --estimate.", title="invalid arguments")
         if estimate:
             rep = call_engine(measure.estimate_only, args, engine=engine, device_memory=device_memory)
         elif args and _is_run_path(args[0]):
