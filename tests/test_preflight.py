@@ -379,3 +379,27 @@ def test_more_local_ranks_than_host_memory_holds_is_refused(tmp_path, monkeypatc
     assert "available" in check_host_memory(ok, prepare_inputs(ok), meminfo=str(meminfo))
     joined = load_run_config(["trainer.nprocs=16", "trainer.ray_address=10.0.0.1:6379"]).config
     assert "not checked" in check_host_memory(joined, prepare_inputs(joined), meminfo=str(meminfo))
+
+
+def test_a_pretrained_model_does_not_silently_train_at_the_tiny_models_learning_rate(tmp_path):
+    """optim.lr's default (5e-3) is the tiny random-init model's; `model=smollm2-135m` trained at
+    it and two steps later answered "3 times 4" with "44\\n4444...". The preset now brings its
+    own rate, and a model.path of pretrained size at the tiny default gets a warning."""
+    from engine.config.load import load_run_config
+    from engine.trainer.preflight import estimated_params, pretrained_lr_note
+    from engine.trainer.setup import RunInputs
+    from tests.tiny_hf import save_tiny_model
+
+    assert load_run_config(["model=smollm2-135m"]).config.optim.lr == 2e-6
+    assert load_run_config(["model=smollm2-135m", "optim.lr=1e-5"]).config.optim.lr == 1e-5  # overrides win
+    assert load_run_config([]).config.optim.lr == 5e-3
+    d = save_tiny_model("llama", tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    exact = AutoModelForCausalLM.from_pretrained(d).num_parameters()
+    inputs = RunInputs(None, None, [], [], str(d), {"size": 12, "pad": 0, "eos": 1}, None)
+    assert estimated_params(load_run_config([]).config, inputs) == exact  # from the safetensors header
+    cfg = load_run_config([f"model.path={d}"]).config
+    assert "optim.lr=0.005 is the tiny built-in model's default" in pretrained_lr_note(cfg, 135_000_000)
+    assert pretrained_lr_note(cfg, exact) == ""  # a tiny random-init HF model: 5e-3 is right
+    assert pretrained_lr_note(load_run_config([f"model.path={d}", "optim.lr=1e-6"]).config, 135_000_000) == ""

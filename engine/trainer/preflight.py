@@ -167,6 +167,9 @@ def check_model_and_task(cfg: RunConfig, report: PreflightReport) -> str:
                           f"Hugging Face model directory (config.json, tokenizer, weights), or drop it to use the "
                           f"tiny built-in model.", title="invalid model") from None
     inputs = report.inputs
+    note = pretrained_lr_note(cfg, estimated_params(cfg, inputs))
+    if note:
+        report.notes.append(note)
     return (f"{model_path or 'tiny built-in model'}; task={cfg.task.name}: {len(inputs.train_prompts)} train / "
             f"{len(inputs.val_prompts)} held-out prompts" + (f"; critic {critic_path}" if critic_path else ""))
 
@@ -191,18 +194,40 @@ def estimate_checkpoint_bytes(cfg: RunConfig, resume=None, inputs=None) -> int |
 
 def estimated_params(cfg: RunConfig, inputs) -> int | None:
     """The policy's parameter count without building it: the tiny model's from its dims, a model
-    directory's from its weight files (assumed 16-bit on disk). None when unknown."""
+    directory's from its safetensors headers (exact), else from its weight files' size (assumed
+    16-bit on disk). None when unknown."""
     if inputs is None:
         return None
     model_path = getattr(inputs, "model_path", None)
     if model_path:
         try:
-            weights = sum(p.stat().st_size for p in Path(model_path).iterdir()
-                          if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
-        except OSError:
+            files = [p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")]
+            if files and all(p.suffix == ".safetensors" for p in files):
+                from math import prod
+
+                from engine.inspect.hf_safetensors import read_header
+
+                return sum(prod(int(d) for d in e.get("shape", ())) for p in files
+                           for e in read_header(p)[0].values())
+            return sum(p.stat().st_size for p in files) // 2
+        except (OSError, UserError, TypeError, ValueError, AttributeError):
             return None
-        return weights // 2
     return tiny_param_count(cfg, inputs.vocab["size"])
+
+
+def pretrained_lr_note(cfg: RunConfig, params: int | None) -> str:
+    """A warning when a model of pretrained size trains at the schema's learning rate, which is
+    the tiny random-init model's (5e-3): that rate wrecks pretrained weights within a few steps
+    (measured on SmolLM2-135M: greedy answers turn to repeated digits after two steps)."""
+    from engine.config.schema import OptimConfig
+
+    default = OptimConfig().lr
+    if not cfg.model.path or params is None or params < 20_000_000 or cfg.optim.lr != default:
+        return ""
+    return (f"optim.lr={default} is the tiny built-in model's default; this model has {params / 1e6:,.0f}M "
+            f"parameters, and pretrained models are trained with ~1e-6 (verl and TRL's default; rl's SmolLM2 preset "
+            f"uses 2e-6). At {default} the weights are wrecked within a few steps: set optim.lr explicitly, e.g. "
+            f"optim.lr=1e-6.")
 
 
 RANK_BASE_BYTES = 400 * 2**20  # one rank's (and the driver's) host memory before any weight: Python, torch,
