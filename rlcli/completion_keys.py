@@ -248,8 +248,8 @@ def build_key_tree() -> dict:
             text = path.read_text()
             values: dict[str, str] = dict(engine_defaults.get(path.stem, {})) if group == "engine" else {}
             node = yaml.compose(text)
-            if isinstance(node, yaml.MappingNode):
-                _flatten_yaml(node, group + ".", values)
+            if isinstance(node, yaml.MappingNode):  # a `# @package _global_` file sets keys of any section
+                _flatten_yaml(node, "" if "@package _global_" in text.split("\n", 1)[0] else group + ".", values)
             groups[group][path.stem] = {"help": _yaml_description(text), "values": values}
 
     try:  # the keys `rl resume` lets change (engine/checkpoint/resume_rules.py)

@@ -13,7 +13,7 @@ the reaper after SIGKILL), test_cluster_local, the network-namespace clusters an
 test_resume's SIGKILL runs (a killed driver's ranks must die with its session there).
 `RL_TEST_PRIVATE_RAY=1` runs the whole suite on private Rays, as before.
 
-Two test processes (pytest-xdist, `-n 2` in the README's command): the suite is mostly real
+Two test processes (pytest-xdist, `-n 2 --dist worksteal` in the README's command: an idle worker takes queued tests from the other, so the long end-to-end runs do not leave one core waiting at the end): the suite is mostly real
 `rl` processes starting, importing and waiting on each other, so two at a time finish sooner on
 two cores. Each worker has its own Ray head. A test marked `alone` (one that measures speed)
 runs with no other test running: every test holds a shared lock on one file for the test run,

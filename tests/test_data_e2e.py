@@ -101,19 +101,47 @@ def test_raising_reward_stops_cleanly_with_last_checkpoint_intact(project):
 
 
 @pytest.mark.slow
-def test_resume_refuses_changed_dataset(project):
+def test_resume_from_another_directory_then_refuses_a_changed_dataset(project, tmp_path_factory):
+    """One run, resumed twice.
+
+    From elsewhere (a scheduler script in $HOME): the relative dataset path was re-read from the
+    new directory ("does not exist", or another file of that name), and the reward module's
+    import error did not say where the run had started. Now the path is read from the start
+    directory, and the reward module, still imported from the current directory only, is refused
+    naming it.
+
+    Then the dataset changes under the run: `rl resume` refuses it, and continues only with
+    task.allow_dataset_change=true, keeping the original fingerprint."""
     args = ["task=dataset", "task.path=train.jsonl", "task.reward_fn=myrewards:first_char", *SMALL]
     r = rl("train", *args, "checkpoint.dir=ck", cwd=project)
     assert r.returncode == 0, r.stderr[-3000:]
-    with open(project / "train.jsonl", "a") as f:
-        f.write(json.dumps({"prompt": "say new:", "answer": "new", "level": 0}) + "\n")
-    refused = rl("resume", "ck", "trainer.total_steps=3", cwd=project)
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "train.jsonl").write_text('{"prompt": "other", "answer": "file"}\n')  # same name, other data
+    refused = rl("resume", str(project / "ck"), "trainer.total_steps=3", cwd=elsewhere)
     err = " ".join(refused.stderr.split())
-    assert "The dataset `train.jsonl` changed" in err and "task.allow_dataset_change=true" in err
-    ok = rl("resume", "ck", "trainer.total_steps=3", "task.allow_dataset_change=true", "--json", cwd=project)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    unwrapped = "".join(c for c in refused.stderr if c not in "│ \n")  # a long path wraps inside the panel
+    assert "myrewards:first_char" in unwrapped and "cannotbeimportedfromhere" in unwrapped, err
+    assert f"cd{project}&&rlresume{project}/ck" in unwrapped, err
+    import os
+    env = dict(os.environ, PYTHONPATH=str(project))
+    ok = subprocess.run([sys.executable, "-m", "rlcli.main", "resume", str(project / "ck"), "trainer.total_steps=3",
+                         "--json"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=600)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert json.loads(ok.stdout)["last_step"] == 3
+    assert "itsrelativepathsarereadfromthere" in "".join(c for c in ok.stderr if c not in "│ \n"), ok.stderr
+    manifest = json.loads((project / "ck" / "step_3" / "manifest.json").read_text())
+    assert manifest["config"]["task"]["path"] == str(project / "train.jsonl")
+
+    with open(project / "train.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": "say new:", "answer": "new", "level": 0}) + "\n")
+    refused = rl("resume", "ck", "trainer.total_steps=4", cwd=project)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    flat_err = "".join(c for c in refused.stderr if c not in "│ \n")
+    assert "changed(fingerprint" in flat_err and "task.allow_dataset_change=true" in flat_err, refused.stderr
+    ok = rl("resume", "ck", "trainer.total_steps=4", "task.allow_dataset_change=true", "--json", cwd=project)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert json.loads(ok.stdout)["last_step"] == 4
     record = json.loads((project / "ck" / "dataset.json").read_text())
     assert len(record["previous"]) == 1  # the original fingerprint is kept
 
@@ -143,32 +171,3 @@ def test_verl_parquet_with_chat_prompts_trains_on_a_real_hf_model(tmp_path):
     assert "train.parquet  (format verl)" in r.stderr
     rows = [json.loads(x) for x in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(x["accuracy"] is not None for x in rows)
-
-
-@pytest.mark.slow
-def test_resume_from_another_directory_reads_the_runs_relative_paths(project, tmp_path_factory):
-    """`rl train task.path=train.jsonl` in a project, then `rl resume /abs/ck` from elsewhere (a
-    scheduler script in $HOME): the relative dataset path was re-read from the new directory
-    ("does not exist", or another file of that name), and the reward module's import error did
-    not say where the run had started. Now the path is read from the start directory, and the
-    reward module, still imported from the current directory only, is refused naming it."""
-    args = ["task=dataset", "task.path=train.jsonl", "task.reward_fn=myrewards:first_char", *SMALL]
-    r = rl("train", *args, "checkpoint.dir=ck", cwd=project)
-    assert r.returncode == 0, r.stderr[-3000:]
-    elsewhere = tmp_path_factory.mktemp("elsewhere")
-    (elsewhere / "train.jsonl").write_text('{"prompt": "other", "answer": "file"}\n')  # same name, other data
-    refused = rl("resume", str(project / "ck"), "trainer.total_steps=3", cwd=elsewhere)
-    err = " ".join(refused.stderr.split())
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    unwrapped = "".join(c for c in refused.stderr if c not in "│ \n")  # a long path wraps inside the panel
-    assert "myrewards:first_char" in unwrapped and "cannotbeimportedfromhere" in unwrapped, err
-    assert f"cd{project}&&rlresume{project}/ck" in unwrapped, err
-    import os
-    env = dict(os.environ, PYTHONPATH=str(project))
-    ok = subprocess.run([sys.executable, "-m", "rlcli.main", "resume", str(project / "ck"), "trainer.total_steps=3",
-                         "--json"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=600)
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert json.loads(ok.stdout)["last_step"] == 3
-    assert "itsrelativepathsarereadfromthere" in "".join(c for c in ok.stderr if c not in "│ \n"), ok.stderr
-    manifest = json.loads((project / "ck" / "step_3" / "manifest.json").read_text())
-    assert manifest["config"]["task"]["path"] == str(project / "train.jsonl")

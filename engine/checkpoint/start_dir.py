@@ -16,7 +16,7 @@ a warning naming both directories (and an import that fails says where the run s
 
 from __future__ import annotations
 
-import json
+from engine import json_safe
 import os
 from pathlib import Path
 from typing import Optional
@@ -30,7 +30,7 @@ def run_start_dir(root: Path) -> Optional[Path]:
     """The directory `rl train` of the run at ``root`` ran in (run.json ``cwd``), when recorded
     and still a directory; None otherwise (runs written before it was recorded, a moved run)."""
     try:
-        raw = json.loads((Path(root) / RUN_FILE).read_text())
+        raw = json_safe.loads((Path(root) / RUN_FILE).read_text())
         cwd = raw.get("cwd") if isinstance(raw, dict) else None
         if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
             return Path(cwd)
