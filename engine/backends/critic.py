@@ -43,12 +43,9 @@ class FSDPCritic:
 
         self.cfg, self.engine = cfg, engine
         c = cfg.critic
-        path = engine.model_path
-        if c.model_path:  # checked on the driver first (engine.trainer.setup.resolve_critic_path)
-            from engine.model.source import resolve_path_or_hub_id
+        from engine.model.source import critic_model_dir
 
-            path = resolve_path_or_hub_id(c.model_path, key="critic.model_path")
-        lm = build_hf_model(cfg.model, path, engine.vocab_size, cfg.trainer.seed, engine.pad_token_id,
+        lm = build_hf_model(cfg.model, critic_model_dir(c.model_path, engine.model_path), engine.vocab_size, cfg.trainer.seed, engine.pad_token_id,
                             engine.eos_token_id).float()
         model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
         del lm

@@ -23,7 +23,7 @@ from engine.checkpoint.optimizer_entries import (OptimizerEntries, classify_opti
                                                  expected_optimizer_keys, group_names, refuse_missing,
                                                  split_prefix)
 from engine.checkpoint.resume_rules import ConfigChange, classify_changes
-from engine.checkpoint.start_dir import anchor_relative_paths, run_start_dir
+from engine.checkpoint.start_dir import resume_from_elsewhere
 from engine.checkpoint.run_files import (MEMORY_FILE, RESUME_LOG, count_rows_after, lines_of, row_step, span,
                                          truncate_jsonl)
 from engine.errors import CheckpointError, UserError
@@ -182,25 +182,8 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         else:
             applied.append(o)
     cfg = apply_overrides_to(saved_cfg, applied)
-    warnings: list[str] = []
-    start_dir = run_start_dir(root)
-    if start_dir is not None and start_dir.resolve() != Path.cwd().resolve():
-        moved = anchor_relative_paths(saved_cfg, cfg, start_dir, {parse_override(o)[1] for o in applied})
-        if moved:
-            warnings.append(f"the run started in {start_dir}, not here: its relative paths are read from there "
-                            f"({', '.join(moved)}).")
-        from engine.rewards.spec import BUILTIN_MODULE, import_locations, named_targets
-
-        user_fns = sorted({t for _k, t in named_targets(cfg.task) if not t.startswith(BUILTIN_MODULE + ":")})
-        missing = [t for t in user_fns if not import_locations(t)]
-        if missing:  # the import error alone would not say where the run's modules were
-            refusals.append(f"the run's reward functions ({', '.join(missing)}) cannot be imported from here "
-                            f"({Path.cwd()}); the run started in {start_dir}, where they were. Resume from there: "
-                            f"`cd {start_dir} && rl resume {root}` (or put their directory on PYTHONPATH).")
-        elif user_fns:
-            warnings.append(f"the run started in {start_dir}, not here: its reward functions ({', '.join(user_fns)}) "
-                            f"are imported with this directory ({Path.cwd()}) importable, as always; resume from "
-                            f"{start_dir} to be sure of using the modules the run started with.")
+    warnings, elsewhere_refusals = resume_from_elsewhere(root, saved_cfg, cfg, {parse_override(o)[1] for o in applied})
+    refusals += elsewhere_refusals
     from engine.rewards.spec import refuse_code_inside
 
     refuse_code_inside(cfg.task, root, "the run's config")  # before anything imports the functions

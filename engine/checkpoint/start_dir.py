@@ -45,9 +45,6 @@ def anchor_relative_paths(saved_cfg, cfg, start_dir: Path, overridden: set[str])
     current directory has something of the same name: the run read the start directory's).
     Returns ``key=new`` for each."""
     moved = []
-    here = Path.cwd().resolve()
-    if start_dir.resolve() == here:
-        return moved
     for section, name in PATH_KEYS:
         key = f"{section}.{name}"
         node, saved_node = getattr(cfg, section, None), getattr(saved_cfg, section, None)
@@ -62,3 +59,30 @@ def anchor_relative_paths(saved_cfg, cfg, start_dir: Path, overridden: set[str])
         setattr(saved_node, name, str(there))
         moved.append(f"{key}={there}")
     return moved
+
+
+def resume_from_elsewhere(root: Path, saved_cfg, cfg, overridden: set[str]) -> tuple[list[str], list[str]]:
+    """(warnings, refusals) of a resume run from another directory than the run's start: its
+    relative paths anchored there (``cfg`` and ``saved_cfg`` changed in place), and its own
+    reward modules refused when not importable from here. Both empty from the start directory."""
+    start_dir = run_start_dir(root)
+    if start_dir is None or start_dir.resolve() == Path.cwd().resolve():
+        return [], []
+    warnings, refusals = [], []
+    moved = anchor_relative_paths(saved_cfg, cfg, start_dir, overridden)
+    if moved:
+        warnings.append(f"the run started in {start_dir}, not here: its relative paths are read from there "
+                        f"({', '.join(moved)}).")
+    from engine.rewards.spec import BUILTIN_MODULE, import_locations, named_targets
+
+    user_fns = sorted({t for _k, t in named_targets(cfg.task) if not t.startswith(BUILTIN_MODULE + ":")})
+    missing = [t for t in user_fns if not import_locations(t)]
+    if missing:  # the import error alone would not say where the run's modules were
+        refusals.append(f"the run's reward functions ({', '.join(missing)}) cannot be imported from here "
+                        f"({Path.cwd()}); the run started in {start_dir}, where they were. Resume from there: "
+                        f"`cd {start_dir} && rl resume {root}` (or put their directory on PYTHONPATH).")
+    elif user_fns:
+        warnings.append(f"the run started in {start_dir}, not here: its reward functions ({', '.join(user_fns)}) "
+                        f"are imported with this directory ({Path.cwd()}) importable, as always; resume from "
+                        f"{start_dir} to be sure of using the modules the run started with.")
+    return warnings, refusals

@@ -99,6 +99,12 @@ def resolve_path_or_hub_id(path: str, key: str = "model.path") -> str:
            f"unset {key} to use the default."), title="model not found")
 
 
+def critic_model_dir(critic_path: str, policy_dir: str) -> str:
+    """Where a rank builds the PPO critic from: ``critic.model_path`` resolved like model.path
+    (checked on the driver first: engine.trainer.setup.resolve_critic_path), else the policy's."""
+    return resolve_path_or_hub_id(critic_path, key="critic.model_path") if critic_path else policy_dir
+
+
 def read_config_json(path: str) -> dict:
     try:
         return json_safe.loads(Path(path, "config.json").read_text())

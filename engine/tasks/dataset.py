@@ -13,8 +13,10 @@ from engine.data.formats import check_columns, detect_format, to_examples
 from engine.data.load import open_dataset, pick_split
 from engine.errors import ConfigError
 from engine.rewards.call import resolve
-from engine.rewards.spec import check_signature, user_reward_specs
+from engine.rewards.spec import BUILTIN_MODULE, check_signature, user_reward_specs
 from engine.tasks.base import Task
+
+DATA_SOURCE_TARGET = f"{BUILTIN_MODULE}:by_data_source"  # rl:by_data_source, whose data is checked here
 
 
 def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
@@ -57,23 +59,18 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
     return Task(cfg.name, train, val, first, alphabet=string.printable, reward_specs=specs, data_info=info)
 
 
-DATA_SOURCE_TARGET = "engine.rewards.builtin:by_data_source"
-
-
 def _check_data_sources(rows: list[dict], origin: str) -> None:
     """rl:by_data_source scores each row by its data_source: refuse, before the run, data whose
     rows have none or one it has no rule for (else the first such row stops the run)."""
     from engine.rewards.builtin import DATA_SOURCE_RULES, rule_for
 
     values = {r.get("data_source") for r in rows}
-    unknown = sorted(str(v) for v in values if rule_for(v) is None)
-    if unknown:
-        missing = None in values
+    unknown = sorted(str(v) for v in values if v is not None and rule_for(v) is None)
+    problems = (["has rows without a data_source column"] if None in values else []) + \
+        ([f"has data_source values it has no rule for: {', '.join(unknown)[:300]}"] if unknown else [])
+    if problems:
         raise ConfigError(
             f"`task.reward_fn=rl:by_data_source` scores each row by the rule for its data_source, and {origin} "
-            + ("has rows without a data_source column. " if missing else "")
-            + (f"has data_source values it has no rule for: {', '.join(u for u in unknown if u != 'None')[:300]}. "
-               if any(u != "None" for u in unknown) else "")
-            + f"It knows {', '.join(sorted(DATA_SOURCE_RULES))} and aime*. Name the reward for this data instead "
-            f"(task.reward_fn=rl:math_boxed, rl:gsm8k, or your own module:function).", title="invalid config")
-
+            f"{' and '.join(problems)}. It knows {', '.join(sorted(DATA_SOURCE_RULES))} and aime*. Name the reward "
+            f"for this data instead (task.reward_fn=rl:math_boxed, rl:gsm8k, or your own module:function).",
+            title="invalid config")

@@ -72,6 +72,27 @@ def resolve_critic_path(cfg: RunConfig, vocab_size: int) -> str:
     return path
 
 
+def check_model_fits_run(cfg: RunConfig, model_path: str, vocab: dict) -> None:
+    """What the policy's transformers config must allow, refused before any rank starts (each
+    was an error inside a rank): vLLM's head sizes, LoRA target modules, megatron's TP split."""
+    lora = cfg.model.lora
+    if cfg.rollout.name != "vllm" and not (lora.rank and lora.target_modules) and cfg.engine.name != "megatron":
+        return
+    from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
+
+    hf_config = hf_config_for(cfg, model_path, vocab)
+    if cfg.rollout.name == "vllm":
+        check_vllm_config(cfg, head_dim_of(hf_config))
+    if lora.rank and lora.target_modules:
+        from engine.model.lora import check_targets
+
+        check_targets(lora, hf_config)
+    if cfg.engine.name == "megatron":
+        from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
+
+        check_parallel_layout(arch_from_hf_config(hf_config), cfg.engine.tensor_model_parallel_size)
+
+
 def prepare_inputs(cfg: RunConfig) -> RunInputs:
     from engine.model.tokenizer import CharTokenizer, HFTokenizer
     from engine.tasks.registry import make_task
@@ -113,21 +134,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                               f"data.max_prompt_length={keep} data.filter_overlong_prompts=true.",
                               title="prompt too long")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id}
-    if cfg.rollout.name == "vllm":  # refuse what vLLM would get wrong, before any rank starts
-        from engine.rollout.vllm_sampler import check_vllm_config, head_dim_of, hf_config_for
-
-        check_vllm_config(cfg, head_dim_of(hf_config_for(cfg, model_path, vocab)))
-    if cfg.model.lora.rank and cfg.model.lora.target_modules:  # peft would raise on the rank
-        from engine.model.lora import check_targets
-        from engine.rollout.vllm_sampler import hf_config_for
-
-        check_targets(cfg.model.lora, hf_config_for(cfg, model_path, vocab))
-    if cfg.engine.name == "megatron":  # heads and MLP split over TP: refused here, not after the ranks start
-        from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
-        from engine.rollout.vllm_sampler import hf_config_for
-
-        check_parallel_layout(arch_from_hf_config(hf_config_for(cfg, model_path, vocab)),
-                              cfg.engine.tensor_model_parallel_size)
+    check_model_fits_run(cfg, model_path, vocab)
     from engine.rewards.compute import make_runner
 
     return RunInputs(task, tok, train, val, model_path, vocab, make_runner(task, cfg.task))

@@ -20,9 +20,9 @@ between the two engines like the policy does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-import math
 import torch
 
 from engine.algorithms.value_loss import value_loss, values_per_token
@@ -86,12 +86,13 @@ class MegatronCritic:
                                                     transformer_config)
         from engine.backends.megatron.sharded_state import ShardedState
         from engine.model.build import build_hf_model
+        from engine.model.source import critic_model_dir
 
         self.cfg, self.engine = cfg, engine
         e = engine
         on_gpu = e.device.type == "cuda"
-        hf = build_hf_model(cfg.model, _critic_path(cfg, e.model_path), e.vocab_size, cfg.trainer.seed,
-                            e.pad_token_id, e.eos_token_id)
+        hf = build_hf_model(cfg.model, critic_model_dir(cfg.critic.model_path, e.model_path), e.vocab_size,
+                            cfg.trainer.seed, e.pad_token_id, e.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=e.use_te)
         check_parallel_layout(self.arch, e.tp_size)
         self.tcfg = transformer_config(self.arch, dtype=e.dtype, tp=e.tp_size,
@@ -194,12 +195,3 @@ class MegatronCritic:
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.sharded.load_checkpoint_state(self.opt, state)
-
-
-def _critic_path(cfg, policy_path: str) -> str:
-    """critic.model_path resolved like model.path (checked on the driver first), else the policy's."""
-    if not cfg.critic.model_path:
-        return policy_path
-    from engine.model.source import resolve_path_or_hub_id
-
-    return resolve_path_or_hub_id(cfg.critic.model_path, key="critic.model_path")

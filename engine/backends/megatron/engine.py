@@ -32,8 +32,8 @@ Loading slices each rank's shard out of full tensors, so any TP/DP layout can re
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
