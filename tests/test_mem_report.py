@@ -134,7 +134,7 @@ def test_errors_are_one_paragraph_exit_2(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text("trainer: {total_steps: 1}\n")
     assert_clean_exit_2(mem_report(str(run)), "without memory.jsonl", "--estimate")
-    (run / "memory.jsonl").write_text('{"phase": "update", "step": 1}\n{"phase": "upd')
+    (run / "memory.jsonl").write_text('{"phase": "update", "step": 1}\n{"phase": "upd\n{"phase": "update", "step": 2}\n')
     assert_clean_exit_2(mem_report(str(run)), "line 2", "damaged")
     (run / "memory.jsonl").write_text("")
     assert_clean_exit_2(mem_report(str(run)), "empty")
@@ -239,3 +239,21 @@ def test_mem_report_without_arguments_measures_one_step_of_the_default_job():
     a = rep["estimate"]["assumptions"]
     assert a["sequences_per_rank_per_step"] == 256 and a["micro_batch_sequences"] == 256
     _assert_estimate_agrees(rep)
+
+
+def test_a_partial_last_record_is_skipped_with_a_note(tmp_path):
+    """A run killed while appending to memory.jsonl leaves a partial last line: `rl plot` skipped
+    it but `rl mem-report` refused the whole run as damaged. Now the records before it are
+    reported (exit 0) and a note names the skipped line; damage before the last line is still
+    refused (the test above)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {total_steps: 1}\n")
+    good = '{"phase": "update", "step": 1, "rank": 0, "categories": {"params": 1024}}\n'
+    (run / "memory.jsonl").write_text(good + '{"phase": "upd')
+    r = mem_report(str(run), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert any("line 2 is a partial record" in n for n in out["notes"]), out["notes"]
+    assert [rec["phase"] for rec in out["measured"]] == ["update"]
+

@@ -90,11 +90,17 @@ def _run_paths(path) -> tuple[Path, Path, list[str]]:
     return p, f, notes
 
 
-def _load_records(path: Path) -> list[PhaseRecord]:
+def _load_records(path: Path, notes: list[str]) -> list[PhaseRecord]:
+    """The phase records in ``path``. A last line that is not JSON is what a run killed while
+    appending leaves: it is skipped, with a note (as `rl plot` skips one in metrics.jsonl); a
+    damaged line anywhere else, or a JSON line that is not a record, is refused."""
     from engine.user_paths import read_jsonl
 
     out = []
     rows, bad = read_jsonl(path, str(path))  # a FIFO or a device is refused unread; bad bytes make a bad line
+    if bad and rows and bad[-1] > max(i for i, _ in rows):  # only after a record: garbage alone is damage
+        notes.append(f"{path.name} line {bad[-1]} is a partial record (a run stopped while writing it); skipped")
+        bad = bad[:-1]
     for i, d in sorted(rows + [(i, None) for i in bad], key=lambda x: x[0]):
         try:
             if not isinstance(d, dict) or "phase" not in d:
@@ -183,7 +189,7 @@ def report_from_run(run_dir, device_memory: Union[None, int, str] = None) -> Mem
     """Estimate beside measured for a run directory that holds memory.jsonl (see module doc)."""
     dev = device_memory_bytes(device_memory)
     root, records_path, notes = _run_paths(run_dir)
-    records = _load_records(records_path)
+    records = _load_records(records_path, notes)
     cfg, why = _read_run_config(root)
     if why:
         notes.append(why)
