@@ -20,6 +20,11 @@ a CPU each op's fixed cost is a large share of a one-token step:
   dtypes call the module);
 - on a CPU q|k|v and gate|up run as one wider matmul each, and the output and down projections
   add the residual in the same call (``addmm``);
+- on a CPU every projection (and the LM head) multiplies by a contiguous copy of its weight's
+  transpose, [in, out], made once per rollout: a one-token step's matmuls have few rows (a lane's
+  32), and MKL's kernel for ``x @ W.t()`` on the stored [out, in] weight re-reads the weight
+  transposed on every call -- 1.25-1.5x slower at these shapes (1 thread, 8-32 rows, hidden
+  256-1536), with the same result bit for bit at 32 rows;
 - the attention scale and mask go into the first batched matmul (``baddbmm``).
 
 Several ``StaticDecode`` over disjoint rows of one prefill can step concurrently on separate
@@ -61,13 +66,29 @@ def _norm(module):
     return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
 
 
-def _residual_linear(linear):
+def _residual_linear(linear, transposed: bool):
     """``(x, a) -> x + linear(a)`` as one ``addmm`` for a plain bias-free ``nn.Linear`` on 2-D
-    inputs, else the module and an add."""
+    inputs (``transposed``: by a contiguous copy of the weight's transpose), else the module and
+    an add."""
     if type(linear) is torch.nn.Linear and linear.bias is None:
-        wt = linear.weight.t()
+        wt = linear.weight.t().contiguous() if transposed else linear.weight.t()
         return lambda x, a: torch.addmm(x, a, wt)
     return lambda x, a: x + linear(a)
+
+
+def _head(head, transposed: bool):
+    """The LM head as a function of x: a matmul by a contiguous copy of its weight's transpose
+    for a plain bias-free ``nn.Linear`` when ``transposed``, else the module."""
+    if transposed and type(head) is torch.nn.Linear and head.bias is None:
+        wt = head.weight.t().contiguous()
+        return lambda x: torch.mm(x, wt)
+    return head
+
+
+def _project(x: torch.Tensor, fused: tuple) -> torch.Tensor:
+    """``x`` through a fused projection (``_fused``'s (weight [in, out], bias))."""
+    wt, bias = fused
+    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
 
 def _decoder_parts(model):
@@ -102,13 +123,14 @@ def _decoder_parts(model):
 
 
 def _fused(linears: list) -> tuple | None:
-    """(weight, bias) of plain ``nn.Linear`` modules stacked along the output dimension, or
-    None when any is something else (a LoRA layer, a quantised linear)."""
+    """(weight [in, out], bias) of plain ``nn.Linear`` modules stacked along the output
+    dimension (the transpose, contiguous: ``_project`` multiplies by it), or None when any is
+    something else (a LoRA layer, a quantised linear)."""
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None
-    weight = torch.cat([m.weight for m in linears], dim=0)
+    weight = torch.cat([m.weight.t() for m in linears], dim=1)
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears], dim=0)
     return weight, bias
 
@@ -134,13 +156,15 @@ class StaticDecode:
         self.filled = filled          # cache positions written
         self.start_filled = filled
         # on a CPU, q|k|v and gate|up as one matmul each: fewer, wider matmuls, which small decode
-        # batches need there (1.18x -> 1.28x rollout speed at the benchmark shape). The fused
-        # weights are copies held for one rollout, so not on an accelerator, where they would
-        # cost device memory and the matmuls are not the bottleneck.
+        # batches need there (1.18x -> 1.28x rollout speed at the benchmark shape), each by its
+        # weight's transpose made contiguous (as the other projections and the LM head). These
+        # are copies of the weights held for one rollout, so not on an accelerator, where they
+        # would cost device memory and the matmuls are not the bottleneck.
         # (``like``: another decoder of the same rollout, whose fused weights this one shares)
         if like is not None:
             self.qkv, self.gate_up, self.norms = like.qkv, like.gate_up, like.norms
             self.final_norm, self.o_proj, self.down_proj = like.final_norm, like.o_proj, like.down_proj
+            self.lm_head = like.lm_head
         else:
             fuse = next(model.parameters()).device.type == "cpu"
             self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) if fuse else None
@@ -149,9 +173,10 @@ class StaticDecode:
                             else None for ly in self.layers]
             self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
             self.final_norm = _norm(self.inner.norm)
-            self.o_proj = [_residual_linear(ly.self_attn.o_proj) for ly in self.layers]
-            self.down_proj = [_residual_linear(ly.mlp.down_proj) if self.gate_up[i] is not None else None
+            self.o_proj = [_residual_linear(ly.self_attn.o_proj, fuse) for ly in self.layers]
+            self.down_proj = [_residual_linear(ly.mlp.down_proj, fuse) if self.gate_up[i] is not None else None
                               for i, ly in enumerate(self.layers)]
+            self.lm_head = _head(self.head, fuse)
         # rotary tables for every decode step: [B, N, head_dim] each (None: rotary_emb per step)
         self.cos = self.sin = None
         rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
@@ -251,7 +276,7 @@ class StaticDecode:
             attn = layer.self_attn
             h = self.norms[i][0](x)
             if self.qkv[i] is not None:
-                qkv = F.linear(h, *self.qkv[i])
+                qkv = _project(h, self.qkv[i])
             else:
                 qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             v = qkv[:, (H + KV) * D:].view(B, KV, D)
@@ -272,10 +297,10 @@ class StaticDecode:
             x = self.o_proj[i](x, self._attend(q, i, t + 1, bias))
             h = self.norms[i][1](x)
             if self.gate_up[i] is not None:
-                gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
+                gate, up = _project(h, self.gate_up[i]).chunk(2, dim=-1)
                 x = self.down_proj[i](x, layer.mlp.act_fn(gate).mul_(up))
             else:
                 x = x + layer.mlp(h)
         self.filled = t + 1
         self.positions = positions + 1
-        return self.head(self.final_norm(x))
+        return self.lm_head(self.final_norm(x))
