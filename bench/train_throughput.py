@@ -7,13 +7,15 @@ same run, with the update's achieved FLOP/s as a fraction of a matmul peak measu
     OMP_NUM_THREADS=2 python bench/train_throughput.py --modes fast --ignore-eos --hog 1   # a busy machine
 
 Two engines with the same initial weights run alternately, step by step:
-``plain`` -- the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
+``plain`` -- torch's own GEMM (MKL), the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
 the host) and the plain update forward (prompts recomputed for every sample);
 ``dynamic`` -- fast, but every decode step through the model's own forward and growing cache;
 ``fast`` -- the defaults (one prefill per prompt group, finished rows dropped, on-device sampling,
 decode steps on a preallocated KV cache (engine/rollout/static_decode.py), decode lanes (one
 thread each, ``rollout.decode_lanes`` auto), each distinct prompt computed once in the update);
 ``onelane`` -- fast, but one decode lane on all threads (``rollout.decode_lanes=1``, before lanes).
+``aten`` -- fast, but every linear layer by torch's own GEMM (``engine.cpu_matmul=aten``: MKL on
+x86), as before oneDNN (the ``fast`` default multiplies through oneDNN, engine/model/onednn_linear.py);
 ``fused`` -- fast, plus the update's fused RMSNorm/SiLU-gate kernels (``engine.fused_kernels``;
 compiled in the warm-up step, which is not timed).
 Update FLOP/s count 6 x matmul params x real tokens (prompt + response): the work of the plain
@@ -60,8 +62,8 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="fixed-length responses (rollout.ignore_eos)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["plain", "fast"],
-                    choices=["plain", "dynamic", "onelane", "fast", "fused"],
-                    help="dynamic = fast but decoding through the model's own forward (no static KV cache); "
+                    choices=["plain", "dynamic", "onelane", "aten", "fast", "fused"],
+                    help="aten = fast with engine.cpu_matmul=aten (MKL); dynamic = fast but decoding through the model's own forward (no static KV cache); "
                          "onelane = fast with one decode lane; fused = fast with engine.fused_kernels (its "
                          "compile is paid in the warm-up step)")
     ap.add_argument("--hog", type=int, default=0,
@@ -88,14 +90,15 @@ def main() -> None:
     PAD, EOS = 0, 1
     runs = {}
     for mode in args.modes:
-        mode_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, fused_kernels=True)) \
-            if mode == "fused" else cfg
+        engine_cfg = dataclasses.replace(cfg.engine, fused_kernels=mode == "fused",
+                                         cpu_matmul="aten" if mode in ("plain", "aten") else cfg.engine.cpu_matmul)
+        mode_cfg = dataclasses.replace(cfg, engine=engine_cfg)
         eng = FSDPEngine(mode_cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
         eng.build()
         eng.share_prompts = mode != "plain"
         rollout_cfg = dataclasses.replace(cfg.rollout, decode_lanes=1) if mode == "onelane" else cfg.rollout
         runs[mode] = {"eng": eng, "sampler": TorchSampler(rollout_cfg, PAD, EOS, eng.device, fast=mode != "plain",
-                                                          static_cache=mode in ("fast", "onelane", "fused")),
+                                                          static_cache=mode in ("fast", "onelane", "aten", "fused")),
                       "gen": torch.Generator().manual_seed(0), "roll": [], "upd": [], "roll_tok": [], "upd_tok": []}
     g = torch.Generator().manual_seed(0)
     lo, hi = args.prompt_len
@@ -156,7 +159,7 @@ def main() -> None:
         res[mode] = (roll_tps, upd_tps)
         print(f"{mode:7s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
               f"{100 * flops / peak:9.1f}%")
-    for base, new in (("plain", "fast"), ("dynamic", "fast"), ("onelane", "fast"), ("fast", "fused")):
+    for base, new in (("plain", "fast"), ("dynamic", "fast"), ("onelane", "fast"), ("aten", "fast"), ("fast", "fused")):
         if base in res and new in res:
             (pr, pu), (fr, fu) = res[base], res[new]
             print(f"{new} / {base}: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")

@@ -80,6 +80,13 @@ def check_device_config(cfg) -> None:
                               f"kernels, which cannot run here: {reason}. "
                               f"Install it, or set {', '.join(f'engine.{k}=false' for k in kernels)}.",
                               title="invalid config value")
+    if getattr(cfg.engine, "cpu_matmul", "auto") == "onednn":
+        from engine.model.onednn_linear import onednn_available
+
+        if not onednn_available():
+            raise ConfigError("`engine.cpu_matmul=onednn` but this torch build has no oneDNN (mkldnn). "
+                              "Use engine.cpu_matmul=auto (or aten), or a torch CPU wheel, which ships it.",
+                              title="invalid config value")
     if cfg.engine.fp8:
         reason = fp8_unavailable_reason()
         if reason:

@@ -38,7 +38,7 @@ class FSDPCritic:
     def __init__(self, cfg, engine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from engine.backends.fsdp import decoder_blocks, shards_each_layer
+        from engine.backends.fsdp import decoder_blocks, shards_each_layer, use_cpu_matmul
         from engine.model.build import build_hf_model
 
         self.cfg, self.engine = cfg, engine
@@ -59,6 +59,7 @@ class FSDPCritic:
             from engine.model.fused_kernels import use_fused_kernels
 
             use_fused_kernels(model)
+        use_cpu_matmul(cfg.engine, engine.device, model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=tuple(cfg.optim.betas),
                                            eps=cfg.optim.eps, weight_decay=c.weight_decay, foreach=False)

@@ -65,6 +65,17 @@ def compile_decoder_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
+def use_cpu_matmul(engine_cfg, device: torch.device, *models) -> int:
+    """Route the linear layers of ``models`` (None skipped) through oneDNN when
+    ``engine.cpu_matmul`` resolves to it on ``device`` (engine/model/onednn_linear.py); returns
+    how many layers were swapped (0: torch's own ``F.linear``)."""
+    from engine.model.onednn_linear import resolve, use_onednn_linears
+
+    if resolve(getattr(engine_cfg, "cpu_matmul", "aten"), device) != "onednn":
+        return 0
+    return sum(use_onednn_linears(m) for m in models if m is not None)
+
+
 @contextmanager
 def eager_decoder_blocks(model: torch.nn.Module):
     """The blocks' own (uncompiled) forwards inside the block: generation feeds them a new shape
@@ -91,6 +102,7 @@ class FSDPEngine(TrainEngine):
         self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
         self.router_replay = None  # engine.moe.router_replay.RouterReplay, set by build()
         self.fused_kernels: dict[str, int] = {}  # kind -> modules swapped (engine.fused_kernels)
+        self.onednn_linears = 0  # linear layers multiplying through oneDNN (engine.cpu_matmul)
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -143,6 +155,7 @@ class FSDPEngine(TrainEngine):
             from engine.model.fused_kernels import use_fused_kernels
 
             self.fused_kernels = use_fused_kernels(model)
+        self.onednn_linears = use_cpu_matmul(c.engine, self.device, model, ref)
         if c.engine.compile:  # each decoder block's forward: FSDP2's hooks stay eager around it
             compile_decoder_blocks(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only

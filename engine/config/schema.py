@@ -225,6 +225,11 @@ class FSDPEngineConfig(EngineConfig):
     skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
                                               "token (groups whose samples all scored the same) when the loss has "
                                               "no KL or entropy term: the same gradient, metrics from a no-grad pass")
+    cpu_matmul: str = _f("auto", "on a CPU: the GEMM library of every linear layer, in the update and the rollout: "
+                                 "onednn (picks kernels by the CPU's instructions: 2x MKL's rate on AMD CPUs with "
+                                 "AVX-512), aten (torch's default: MKL on x86); auto = onednn where this torch has it. "
+                                 "The same fp32 products, summed in another order",
+                         choices=["auto", "onednn", "aten"])
 
 
 @dataclass

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layer_kinds import is_llama_rms_norm, is_plain_gated_mlp
+from engine.model.onednn_linear import onednn_matmul
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 PER_STEP_ROPE_TYPES = ("dynamic", "longrope")  # the tables depend on the longest position seen
@@ -66,19 +67,32 @@ def _norm(module):
     return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
 
 
+def _onednn(linear) -> bool:
+    """The module multiplies through oneDNN (engine/model/onednn_linear.py, engine.cpu_matmul):
+    the decode step then does too, on the stored [out, in] weight."""
+    return bool(getattr(linear, "_rl_onednn", False))
+
+
 def _residual_linear(linear, transposed: bool):
-    """``(x, a) -> x + linear(a)`` as one ``addmm`` for a plain bias-free ``nn.Linear`` on 2-D
-    inputs (``transposed``: by a contiguous copy of the weight's transpose), else the module and
-    an add."""
+    """``(x, a) -> x + linear(a)`` as one matmul for a plain bias-free ``nn.Linear`` on 2-D
+    inputs: oneDNN's when the module uses it, else ``addmm`` (``transposed``: by a contiguous copy
+    of the weight's transpose); otherwise the module and an add."""
     if type(linear) is torch.nn.Linear and linear.bias is None:
+        if _onednn(linear):
+            w = linear.weight
+            return lambda x, a: onednn_matmul(a, w, None).add_(x)
         wt = linear.weight.t().contiguous() if transposed else linear.weight.t()
         return lambda x, a: torch.addmm(x, a, wt)
     return lambda x, a: x + linear(a)
 
 
 def _head(head, transposed: bool):
-    """The LM head as a function of x: a matmul by a contiguous copy of its weight's transpose
-    for a plain bias-free ``nn.Linear`` when ``transposed``, else the module."""
+    """The LM head as a function of x: oneDNN's matmul when the module uses it, a matmul by a
+    contiguous copy of its weight's transpose for a plain bias-free ``nn.Linear`` when
+    ``transposed``, else the module."""
+    if type(head) is torch.nn.Linear and head.bias is None and _onednn(head):
+        w = head.weight
+        return lambda x: onednn_matmul(x, w, None)
     if transposed and type(head) is torch.nn.Linear and head.bias is None:
         wt = head.weight.t().contiguous()
         return lambda x: torch.mm(x, wt)
@@ -86,9 +100,12 @@ def _head(head, transposed: bool):
 
 
 def _project(x: torch.Tensor, fused: tuple) -> torch.Tensor:
-    """``x`` through a fused projection (``_fused``'s (weight [in, out], bias))."""
-    wt, bias = fused
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    """``x`` through a fused projection (``_fused``'s (weight, bias, onednn): weight [out, in] for
+    oneDNN, else [in, out])."""
+    w, bias, onednn = fused
+    if onednn:
+        return onednn_matmul(x, w, bias)
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
 def _decoder_parts(model):
@@ -123,16 +140,18 @@ def _decoder_parts(model):
 
 
 def _fused(linears: list) -> tuple | None:
-    """(weight [in, out], bias) of plain ``nn.Linear`` modules stacked along the output
-    dimension (the transpose, contiguous: ``_project`` multiplies by it), or None when any is
-    something else (a LoRA layer, a quantised linear)."""
+    """(weight, bias, onednn) of plain ``nn.Linear`` modules stacked along the output dimension:
+    for oneDNN (the modules use it) the stacked [out, in] weight, else its transpose, contiguous
+    (``_project`` multiplies by either); None when any is something else (a LoRA layer, a
+    quantised linear)."""
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None
-    weight = torch.cat([m.weight.t() for m in linears], dim=1)
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears], dim=0)
-    return weight, bias
+    if all(_onednn(m) for m in linears):
+        return torch.cat([m.weight for m in linears], dim=0), bias, True
+    return torch.cat([m.weight.t() for m in linears], dim=1), bias, False
 
 
 class StaticDecode:
