@@ -227,7 +227,7 @@ class FSDPEngineConfig(EngineConfig):
                                               "no KL or entropy term: the same gradient, metrics from a no-grad pass")
     cpu_matmul: str = _f("auto", "on a CPU: the GEMM library of every linear layer, in the update and the rollout: "
                                  "onednn (picks kernels by the CPU's instructions: 2x MKL's rate on AMD CPUs with "
-                                 "AVX-512), aten (torch's default: MKL on x86); auto = onednn where this torch has it. "
+                                 "AVX-512), aten (torch's default: MKL on x86); auto = onednn on an x86 CPU where this torch has it. "
                                  "The same fp32 products, summed in another order",
                          choices=["auto", "onednn", "aten"])
 

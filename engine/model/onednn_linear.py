@@ -18,17 +18,23 @@ MKL's only in summation order (~1e-7 relative).
 ``OneDNNLinear`` is ``F.linear`` as an autograd function whose forward and both backward
 products (input and weight gradients) are oneDNN matmuls; ``use_onednn_linears`` swaps it into
 every plain ``nn.Linear`` of a model per instance (a LoRA layer's base linear included). It
-applies only where it is exact and supported: fp32 (or bf16) tensors on a CPU, under no tracing;
+applies only where it is exact and supported: fp32 tensors on a CPU, under no tracing;
 anything else -- a CUDA tensor, a DTensor, float64, ``torch.compile`` -- calls ``F.linear``.
 """
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.nn.functional as F
 
 CHOICES = ("auto", "onednn", "aten")
-_DTYPES = (torch.float32, torch.bfloat16)
+# fp32 only: bf16/fp16 matmuls on a CPU already go through oneDNN in torch's own kernels
+_DTYPES = (torch.float32,)
+# where oneDNN's fp32 GEMM is JIT-generated for the instruction set; elsewhere (aarch64: ACL or
+# reference kernels) torch's own BLAS stays the default
+_X86 = ("x86_64", "amd64", "x64")
 
 
 def onednn_available() -> bool:
@@ -40,12 +46,15 @@ def onednn_available() -> bool:
 
 
 def resolve(choice: str, device: torch.device) -> str:
-    """``engine.cpu_matmul`` for this process: ``onednn`` or ``aten``. ``auto`` is oneDNN on a CPU
-    device whenever the build has it (it is never slower than MKL where measured, and 2x faster
-    on AMD CPUs with AVX-512); accelerators keep their own kernels."""
+    """``engine.cpu_matmul`` for this process: ``onednn`` or ``aten``. ``auto`` is oneDNN on an
+    x86 CPU device whenever the build has it (2x MKL's rate on AMD CPUs with AVX-512; on Intel
+    CPUs MKL already runs its AVX-512 code, and the two were not compared there); accelerators
+    and other CPUs keep torch's own kernels."""
     if choice not in CHOICES:
         raise ValueError(f"engine.cpu_matmul must be one of {', '.join(CHOICES)}, not {choice!r}")
     if device.type != "cpu" or choice == "aten":
+        return "aten"
+    if choice == "auto" and platform.machine().lower() not in _X86:
         return "aten"
     if not onednn_available():
         if choice == "onednn":
