@@ -11,8 +11,9 @@ G samples, exactly N new tokens: ``rollout.ignore_eos=true`` on rl, ``min_new_to
 both of which forbid EOS), temperature 1, top-p 1, AdamW (lr 1e-5, betas 0.9/0.99, no weight decay,
 constant LR, grad clip 1.0), no KL (TRL ``beta=0`` loads no reference), one optimizer step per
 RL step, no gradient checkpointing (TRL's default is on; off here, which only helps TRL), fp32,
-the same thread count, and (unless ``--trl-omp-default``) the passive OpenMP waits rl sets for
-itself, so a loaded machine does not penalise TRL's spinning threads. rl's ranks keep the host
+the same thread count, and (unless ``--trl-omp-default``) the OpenMP waits rl's ranks get
+(``trainer.omp_wait=auto``: a ~150 us spin, then sleep, on a machine with free cores; passive
+waits on a busy one), so neither tool spins on a loaded machine and both spin briefly on a quiet one. rl's ranks keep the host
 memory a step frees (``trainer.keep_host_heap``, engine/host_heap.py); ``--trl-heap-tuned`` gives TRL
 the same glibc malloc thresholds (``GLIBC_TUNABLES``), to show what that setting alone is worth.
 
@@ -201,8 +202,11 @@ def run_trl(work: Path, model_dir: Path, shape: str, steps: int, threads: int, o
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(model_dir), "--shapes", shape,
            "--steps", str(steps), "--result", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    if not omp_default:  # the same passive OpenMP waits rl sets for itself (engine/threads.py)
-        env.update({"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
+    if not omp_default:  # the OpenMP waits rl's ranks get (engine/threads.py, trainer.omp_wait=auto)
+        from engine.threads import omp_spin_count, rank_env
+
+        env.update({k: v for k, v in rank_env(threads, omp_spin_count("auto", threads)).items()
+                    if k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")})
     if heap_tuned:  # the thresholds rl's ranks set with mallopt (engine/host_heap.py)
         from engine.host_heap import MMAP_THRESHOLD, TRIM_THRESHOLD
 
@@ -282,7 +286,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/rl-vs-trl")
     ap.add_argument("--rl-extra", nargs="*", default=[], help="extra `rl train` overrides")
     ap.add_argument("--trl-omp-default", action="store_true",
-                    help="run TRL with the OpenMP wait policy of the environment (default: passive, as rl uses)")
+                    help="run TRL with the OpenMP wait policy of the environment (default: the waits rl's ranks get)")
     ap.add_argument("--trl-heap-tuned", action="store_true",
                     help="run TRL with the glibc malloc thresholds rl's ranks use (trainer.keep_host_heap)")
     ap.add_argument("--json", default="")
@@ -329,7 +333,7 @@ def main() -> None:
         out.append(row)
     print(f"\nrl vs TRL {_trl_version()} GRPOTrainer, {threads} thread(s), fp32, {args.repeats} repeats x "
           f"{args.steps} steps (first {args.warmup} dropped), medians; TRL's OpenMP waits "
-          f"{'from the environment' if args.trl_omp_default else 'passive'}, its malloc "
+          f"{'from the environment' if args.trl_omp_default else 'as rl ranks get them'}, its malloc "
           f"{'tuned as rl ranks (GLIBC_TUNABLES)' if args.trl_heap_tuned else 'glibc defaults'}")
     hdr = (f"{'shape':7s} {'params':>7s} {'PxGxN':>9s} {'TRL s/step':>10s} {'rl s/step':>9s} {'rl/TRL speed':>12s} "
            f"{'gen tok/s TRL|rl':>17s} {'upd tok/s TRL|rl':>17s} {'bound s':>8s} {'rl/bound':>8s} {'TRL/bound':>9s} "

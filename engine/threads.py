@@ -11,6 +11,17 @@ that the load really takes (measured figures: docs/benchmarks.md, tests/test_bus
 The OpenMP runtime reads these variables once, when torch loads it: ``apply_process_defaults``
 must run before ``import torch`` (``import engine`` does it), and rank workers get them in their
 environment from the start (``rank_env``). A value the user already set is kept.
+
+Passive waits have a price on a quiet machine: every parallel region wakes a sleeping thread
+(a futex wake, in a VM an interrupt to a halted vCPU), and an update is thousands of small
+regions. A short, bounded spin before sleeping (libgomp's ``GOMP_SPINCOUNT``, ~49 ns a count
+here) keeps the peer awake across the gap between two ops: the update of the issue-17 job took
+188-213 ms with 3000 counts against 261-340 ms with none, in the same process layout
+(docs/benchmarks.md, "OpenMP waits"). ``trainer.omp_wait`` picks it per run: ``auto`` spins
+(``SHORT_SPIN``) when the launching machine has a core free for every rank thread, and sleeps at
+once when it is already busy; ``spin`` and ``passive`` force either. A bounded spin cannot cause
+the 45x above (a spinning thread gives its core back after ~150 us), but it costs ~1.2-1.5x under a
+hog that arrives later, which is why a busy machine at launch gets none.
 """
 
 from __future__ import annotations
@@ -19,11 +30,11 @@ import os
 
 # passive OpenMP waits (libgomp and Intel OpenMP), set unless the user chose otherwise
 PASSIVE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-# a user's own spin setting, passed on to the ranks as they set it. On a dedicated, otherwise
-# idle machine a short spin before sleeping (``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=3000``,
-# ~150 us here) saves the wake-up of every parallel region; measured figures and the cost on a
-# busy machine: docs/benchmarks.md, "Busy machine".
+# a user's own spin setting, passed on to the ranks as they set it
 USER_OMP_VARS = ("GOMP_SPINCOUNT",)
+# trainer.omp_wait's bounded spin: libgomp spin counts before a waiting thread sleeps (~150 us here)
+SHORT_SPIN = 3000
+OMP_WAIT_CHOICES = ("auto", "spin", "passive")
 
 
 # the driver's scheduling priority, given to its ranks (``restore_rank_priority``)
@@ -65,18 +76,73 @@ def restore_rank_priority() -> str:
     return ""
 
 
+# the variables of PASSIVE_OMP_ENV that rl set itself (not the user), inherited by child processes
+DEFAULTED_ENV = "RL_OMP_DEFAULTED"
+
+
 def apply_process_defaults() -> None:
-    """Passive OpenMP waiting for this process (effective if torch is not imported yet)."""
+    """Passive OpenMP waiting for this process (effective if torch is not imported yet); the
+    variables set here are listed in ``RL_OMP_DEFAULTED``, so that they are not taken for the
+    user's choice, here or in a child process."""
+    ours = set(filter(None, os.environ.get(DEFAULTED_ENV, "").split(",")))
     for k, v in PASSIVE_OMP_ENV.items():
-        os.environ.setdefault(k, v)
+        if k not in os.environ:
+            os.environ[k] = v
+            ours.add(k)
+    if ours:
+        os.environ[DEFAULTED_ENV] = ",".join(sorted(ours))
 
 
-def rank_env(threads: int) -> dict[str, str]:
-    """Environment of a rank worker process: its intra-op thread count and passive waits, or
-    the wait settings the user chose (a joined cluster's workers do not inherit the driver's
-    environment, so they are passed explicitly)."""
+def user_chose_omp_waits() -> bool:
+    """Whether this process's environment already says how OpenMP threads wait (then rl passes
+    it on as set and chooses nothing)."""
+    ours = set(os.environ.get(DEFAULTED_ENV, "").split(","))
+    return any(k in os.environ and k not in ours for k in (*PASSIVE_OMP_ENV, *USER_OMP_VARS))
+
+
+def free_cores(samples: int = 5, interval_s: float = 0.02) -> int:
+    """Cores that no other task holds, the most seen over ``samples`` readings of the runnable
+    count (a start-up blip of Ray's own daemons does not make a quiet machine look busy)."""
+    import time
+
+    cores = os.cpu_count() or 1
+    busy = []
+    for i in range(max(1, samples)):
+        if i:
+            time.sleep(interval_s)
+        busy.append(busy_cpus())
+    return max(0, cores - min(busy))
+
+
+def omp_spin_count(choice: str, threads: int) -> int:
+    """``GOMP_SPINCOUNT`` for ranks that run ``threads`` intra-op threads on this machine in all
+    (``trainer.omp_wait``): ``spin`` -> ``SHORT_SPIN``, ``passive`` -> 0, ``auto`` -> ``SHORT_SPIN``
+    when a core is free for each of those threads now, else 0."""
+    if choice not in OMP_WAIT_CHOICES:
+        raise ValueError(f"trainer.omp_wait must be one of {', '.join(OMP_WAIT_CHOICES)}, not {choice!r}")
+    if choice == "auto":
+        return SHORT_SPIN if free_cores() >= max(1, threads) else 0
+    return SHORT_SPIN if choice == "spin" else 0
+
+
+def omp_wait_now() -> str:
+    """How this process's OpenMP threads wait, in words (what its environment told the runtime)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").lower()
+    spin = os.environ.get("GOMP_SPINCOUNT", "")
+    if spin:
+        return f"spin {spin} counts, then sleep" if spin.strip() not in ("0", "") else "passive"
+    return policy or "runtime default"
+
+
+def rank_env(threads: int, spin: int = 0) -> dict[str, str]:
+    """Environment of a rank worker process: its intra-op thread count and passive waits after
+    ``spin`` spin counts (``omp_spin_count``), or the wait settings the user chose (a joined
+    cluster's workers do not inherit the driver's environment, so they are passed explicitly)."""
+    chose = user_chose_omp_waits()
     env = {k: os.environ.get(k, v) for k, v in PASSIVE_OMP_ENV.items()}
     env.update({k: os.environ[k] for k in USER_OMP_VARS if k in os.environ})
+    if not chose and spin > 0:
+        env["GOMP_SPINCOUNT"] = str(int(spin))
     nice = _niceness()
     if nice is not None:
         env[RANK_NICENESS_ENV] = str(nice)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.threads import rank_env
+from engine.threads import omp_spin_count, rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = 4          # quiet, hog, quiet, hog
@@ -75,7 +75,9 @@ HOG = "import time\nt = time.time()\nwhile time.time() - t < 240: pass\n"
 @pytest.mark.alone
 def test_step_under_cpu_hog_within_3x_of_quiet(tmp_path):
     cores = os.cpu_count() or 1
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **rank_env(cores)}  # what WorkerGroup gives a 1-rank run
+    # what WorkerGroup gives a 1-rank run: trainer.omp_wait=auto spins briefly when the cores are
+    # free at launch (they are, before the hog), and the hog arrives later
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **rank_env(cores, omp_spin_count("auto", cores))}
     err = open(tmp_path / "worker.err", "w+")
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(cores), str(BLOCKS), str(STEPS_PER_BLOCK)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,

@@ -136,3 +136,57 @@ def test_rank_env_carries_the_drivers_niceness_and_the_private_ray_keeps_it():
     with ray_cluster("local", 1) as (ray, _):  # the private Ray (the suite's runs share a joined head)
         rank = ray.remote(num_cpus=1)(Rank).remote()
         assert ray.get(rank.niceness.remote(), timeout=120) == [driver]
+
+
+def test_omp_wait_spins_briefly_on_a_free_machine_and_sleeps_on_a_busy_one(monkeypatch):
+    """trainer.omp_wait: ``spin`` gives ranks a bounded spin (GOMP_SPINCOUNT=SHORT_SPIN) before
+    their idle OpenMP threads sleep, ``passive`` none, and ``auto`` spins only when the machine has
+    a free core for every rank thread at launch; a bad value is refused by name."""
+    import pytest
+
+    from engine import threads
+
+    assert threads.omp_spin_count("spin", 2) == threads.SHORT_SPIN > 0
+    assert threads.omp_spin_count("passive", 2) == 0
+    monkeypatch.setattr(threads, "free_cores", lambda: 2)
+    assert threads.omp_spin_count("auto", 2) == threads.SHORT_SPIN
+    assert threads.omp_spin_count("auto", 3) == 0          # more rank threads than free cores
+    monkeypatch.setattr(threads, "free_cores", lambda: 0)  # another job holds every core
+    assert threads.omp_spin_count("auto", 1) == 0
+    with pytest.raises(ValueError, match="trainer.omp_wait must be one of auto, spin, passive"):
+        threads.omp_spin_count("fast", 2)
+
+
+def test_rank_env_carries_the_chosen_spin_unless_the_user_set_openmp_waits(monkeypatch):
+    """The spin count rl chose reaches the ranks next to the passive policy; rl's own defaults
+    (set by ``import engine``, listed in RL_OMP_DEFAULTED, inherited by child processes) are not
+    taken for a user's choice, while a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins as set."""
+    from engine import threads
+
+    for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT", threads.DEFAULTED_ENV):
+        monkeypatch.delenv(k, raising=False)
+    threads.apply_process_defaults()  # what `import engine` does in a fresh process
+    assert not threads.user_chose_omp_waits()
+    env = threads.rank_env(2, spin=3000)
+    assert (env["OMP_WAIT_POLICY"], env["KMP_BLOCKTIME"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", "0", "3000")
+    assert "GOMP_SPINCOUNT" not in threads.rank_env(2, spin=0)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own, here set after rl's defaults
+    monkeypatch.setenv(threads.DEFAULTED_ENV, "KMP_BLOCKTIME")
+    assert threads.user_chose_omp_waits()
+    env = threads.rank_env(2, spin=3000)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
+    assert threads.rank_env(2, spin=3000)["GOMP_SPINCOUNT"] == "50"
+
+
+def test_omp_wait_now_describes_the_environment(monkeypatch):
+    """What a rank reports (and `rl train` shows as "openmp waits") follows its environment."""
+    from engine.threads import omp_wait_now
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
+    assert omp_wait_now() == "spin 3000 counts, then sleep"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert omp_wait_now() == "passive"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert omp_wait_now() == "passive"

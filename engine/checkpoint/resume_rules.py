@@ -38,6 +38,7 @@ ALLOWED: dict[str, str] = {
     "trainer.threads_per_rank": "CPU threads per rank (float sums may round differently)",
     "trainer.adapt_threads": "CPU threads per rank (float sums may round differently)",
     "trainer.keep_host_heap": "how ranks' freed host memory is kept (the same numbers)",
+    "trainer.omp_wait": "how ranks' idle threads wait (the same numbers)",
     "checkpoint.save_freq": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint retention",
     "checkpoint.save_final": "checkpoint cadence",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
 from engine.host_heap import keep_host_heap
-from engine.threads import adapt_threads, configure_torch_threads, restore_rank_priority
+from engine.threads import adapt_threads, configure_torch_threads, omp_wait_now, restore_rank_priority
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,8 @@ class RankWorker:
 
     # ---- setup --------------------------------------------------------------------------
     def placement(self) -> dict:
-        """Where Ray put this rank: node id and address, host name, pid."""
+        """Where Ray put this rank: node id and address, host name, pid, and how its OpenMP
+        threads wait (``omp_wait``: the spin count before sleeping, engine/threads.py)."""
         import socket
 
         import ray
@@ -75,7 +76,7 @@ class RankWorker:
         from engine.trainer.rendezvous import node_address
 
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid()}
+                "hostname": socket.gethostname(), "pid": os.getpid(), "omp_wait": omp_wait_now()}
 
     def open_rendezvous(self) -> tuple[str, int]:
         """Rank 0: bind the process group's store socket on this node's address; (host, port)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.schema import RunConfig
 from engine.errors import UserError
-from engine.threads import rank_env
+from engine.threads import omp_spin_count, rank_env
 from engine.trainer.ray_cluster import get, timeout_error
 
 if TYPE_CHECKING:
@@ -87,7 +87,10 @@ class WorkerGroup:
         critic_path = cfg_dict["critic"]["model_path"]
         if critic_path and os.path.exists(critic_path):  # a local directory (else a hub id)
             cfg_dict["critic"]["model_path"] = _absolute(critic_path)
-        env = rank_env(threads)  # passive OpenMP waits: engine/threads.py
+        # OpenMP waits (engine/threads.py): a short spin when this machine's cores are free for
+        # the ranks it hosts, else passive
+        local_ranks = t.ranks_per_node or (-(-n // t.nnodes) if t.nnodes else n)
+        env = rank_env(threads, omp_spin_count(t.omp_wait, threads * local_ranks))
         self.actors = [
             actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=self.plan.bundle_of_rank[r])

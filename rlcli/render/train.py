@@ -56,6 +56,9 @@ def plan_table(plan) -> Table:
         if k not in plan.key_settings:
             t.add_row(k, f"{new}  [yellow]({before} {old})[/]")
     t.add_row("run dir", Text(str(plan.run_dir)))  # checkpoint.dir="runs/[a]" is a path, not markup
+    waits = sorted({str(p.get("omp_wait", "")) for p in plan.placement or []} - {""})
+    if waits and str(plan.device).startswith("cpu"):
+        t.add_row("openmp waits", ", ".join(waits) + "  (trainer.omp_wait)")
     if plan.ray:
         nodes = sorted({p["node_ip"] for p in plan.placement})
         t.add_row("ray", plan.ray + (f"  (ranks on {len(nodes)} nodes: {', '.join(nodes)})" if len(nodes) > 1 else ""))
