@@ -236,3 +236,45 @@ def test_config_key_is_checked_and_may_change_on_resume():
     with pytest.raises(ConfigError, match="cpu_matmul"):
         load_run_config(["engine.cpu_matmul=mkl"])
     assert "engine.cpu_matmul" in ALLOWED
+
+
+def test_a_packed_weight_multiplies_like_the_dense_one():
+    """pack_weight reorders a weight once for many products (a rollout's decode steps): from 5
+    rows up the product is the dense weight's bit for bit, at any row count (rows leave the decode
+    batch as they finish), and at 1 row (oneDNN's vector kernel) within 1e-5 relative; weights it
+    cannot reorder (float64) come back unchanged."""
+    from engine.model.onednn_linear import onednn_matmul, pack_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g)
+    packed = pack_weight(w, 32)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    for rows in (5, 17, 32, 33, 70):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(onednn_matmul(x, packed, None), onednn_matmul(x, w, None)), rows
+        assert torch.equal(onednn_matmul(x, packed, b), onednn_matmul(x, w, b)), rows
+    x = torch.randn(1, 64, generator=g)
+    assert torch.allclose(onednn_matmul(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    w64 = w.double()
+    assert pack_weight(w64, 32) is w64
+
+
+def test_decode_weights_are_packed_once_per_rollout():
+    """With oneDNN linears the static decoder multiplies by packed copies of the fused q|k|v and
+    gate|up weights, the output/down projections and the LM head, made when the rollout starts and
+    shared by its decode lanes."""
+    from transformers import DynamicCache
+
+    from engine.rollout.static_decode import StaticDecode
+
+    model = _tiny_llama()
+    use_onednn_linears(model)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
+    first = StaticDecode.start(model, out.past_key_values, torch.ones_like(ids), 4)
+    second = StaticDecode.start(model, out.past_key_values, torch.ones_like(ids), 4, like=first)
+    assert first is not None and all(q[0].is_mkldnn and q[2] for q in first.qkv)
+    assert all(gu[0].is_mkldnn for gu in first.gate_up)
+    assert second.qkv is first.qkv and second.lm_head is first.lm_head

@@ -24,7 +24,9 @@ a CPU each op's fixed cost is a large share of a one-token step:
   transpose, [in, out], made once per rollout: a one-token step's matmuls have few rows (a lane's
   32), and MKL's kernel for ``x @ W.t()`` on the stored [out, in] weight re-reads the weight
   transposed on every call -- 1.25-1.5x slower at these shapes (1 thread, 8-32 rows, hidden
-  256-1536), with the same result bit for bit at 32 rows;
+  256-1536), with the same result bit for bit at 32 rows; with oneDNN linears
+  (engine/model/onednn_linear.py) each weight is instead reordered once per rollout into oneDNN's
+  packed layout (``pack_weight``: 1.15-1.25x per product at a lane's 32 rows, ~5% of a rollout);
 - the attention scale and mask go into the first batched matmul (``baddbmm``).
 
 Several ``StaticDecode`` over disjoint rows of one prefill can step concurrently on separate
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layer_kinds import is_llama_rms_norm, is_plain_gated_mlp
-from engine.model.onednn_linear import onednn_matmul
+from engine.model.onednn_linear import onednn_matmul, pack_weight
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 PER_STEP_ROPE_TYPES = ("dynamic", "longrope")  # the tables depend on the longest position seen
@@ -73,25 +75,26 @@ def _onednn(linear) -> bool:
     return bool(getattr(linear, "_rl_onednn", False))
 
 
-def _residual_linear(linear, transposed: bool):
+def _residual_linear(linear, transposed: bool, rows: int):
     """``(x, a) -> x + linear(a)`` as one matmul for a plain bias-free ``nn.Linear`` on 2-D
-    inputs: oneDNN's when the module uses it, else ``addmm`` (``transposed``: by a contiguous copy
-    of the weight's transpose); otherwise the module and an add."""
+    inputs: oneDNN's when the module uses it (its weight packed for ``rows``-row products), else
+    ``addmm`` (``transposed``: by a contiguous copy of the weight's transpose); otherwise the
+    module and an add."""
     if type(linear) is torch.nn.Linear and linear.bias is None:
         if _onednn(linear):
-            w = linear.weight
+            w = pack_weight(linear.weight, rows)
             return lambda x, a: onednn_matmul(a, w, None).add_(x)
         wt = linear.weight.t().contiguous() if transposed else linear.weight.t()
         return lambda x, a: torch.addmm(x, a, wt)
     return lambda x, a: x + linear(a)
 
 
-def _head(head, transposed: bool):
-    """The LM head as a function of x: oneDNN's matmul when the module uses it, a matmul by a
-    contiguous copy of its weight's transpose for a plain bias-free ``nn.Linear`` when
-    ``transposed``, else the module."""
+def _head(head, transposed: bool, rows: int):
+    """The LM head as a function of x: oneDNN's matmul when the module uses it (its weight packed
+    for ``rows``-row products), a matmul by a contiguous copy of its weight's transpose for a
+    plain bias-free ``nn.Linear`` when ``transposed``, else the module."""
     if type(head) is torch.nn.Linear and head.bias is None and _onednn(head):
-        w = head.weight
+        w = pack_weight(head.weight, rows)
         return lambda x: onednn_matmul(x, w, None)
     if transposed and type(head) is torch.nn.Linear and head.bias is None:
         wt = head.weight.t().contiguous()
@@ -139,18 +142,18 @@ def _decoder_parts(model):
     return inner, layers, head
 
 
-def _fused(linears: list) -> tuple | None:
+def _fused(linears: list, rows: int) -> tuple | None:
     """(weight, bias, onednn) of plain ``nn.Linear`` modules stacked along the output dimension:
-    for oneDNN (the modules use it) the stacked [out, in] weight, else its transpose, contiguous
-    (``_project`` multiplies by either); None when any is something else (a LoRA layer, a
-    quantised linear)."""
+    for oneDNN (the modules use it) the stacked [out, in] weight packed for ``rows``-row products,
+    else its transpose, contiguous (``_project`` multiplies by either); None when any is
+    something else (a LoRA layer, a quantised linear)."""
     if not all(type(m) is torch.nn.Linear for m in linears):
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears], dim=0)
     if all(_onednn(m) for m in linears):
-        return torch.cat([m.weight for m in linears], dim=0), bias, True
+        return pack_weight(torch.cat([m.weight for m in linears], dim=0), rows), bias, True
     return torch.cat([m.weight.t() for m in linears], dim=1), bias, False
 
 
@@ -186,16 +189,17 @@ class StaticDecode:
             self.lm_head = like.lm_head
         else:
             fuse = next(model.parameters()).device.type == "cpu"
-            self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) if fuse else None
-                        for ly in self.layers]
-            self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj]) if fuse and is_plain_gated_mlp(ly.mlp)
+            rows = keys[0].shape[0]  # oneDNN packs the weights for products of this many rows
+            self.qkv = [_fused([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj], rows) if fuse
+                        else None for ly in self.layers]
+            self.gate_up = [_fused([ly.mlp.gate_proj, ly.mlp.up_proj], rows) if fuse and is_plain_gated_mlp(ly.mlp)
                             else None for ly in self.layers]
             self.norms = [(_norm(ly.input_layernorm), _norm(ly.post_attention_layernorm)) for ly in self.layers]
             self.final_norm = _norm(self.inner.norm)
-            self.o_proj = [_residual_linear(ly.self_attn.o_proj, fuse) for ly in self.layers]
-            self.down_proj = [_residual_linear(ly.mlp.down_proj, fuse) if self.gate_up[i] is not None else None
+            self.o_proj = [_residual_linear(ly.self_attn.o_proj, fuse, rows) for ly in self.layers]
+            self.down_proj = [_residual_linear(ly.mlp.down_proj, fuse, rows) if self.gate_up[i] is not None else None
                               for i, ly in enumerate(self.layers)]
-            self.lm_head = _head(self.head, fuse)
+            self.lm_head = _head(self.head, fuse, rows)
         # rotary tables for every decode step: [B, N, head_dim] each (None: rotary_emb per step)
         self.cos = self.sin = None
         rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
