@@ -34,7 +34,11 @@ import tempfile
 import time
 
 import engine  # noqa: F401  (before torch: passive OpenMP waits, engine/threads.py)
-import torch
+from engine.threads import omp_spin_count, user_chose_omp_waits
+
+if not user_chose_omp_waits():  # the waits a rank gets (trainer.omp_wait=auto), set before torch loads OpenMP
+    os.environ["GOMP_SPINCOUNT"] = str(omp_spin_count("auto", int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))))
+import torch  # noqa: E402
 
 
 def matmul_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
@@ -153,7 +157,7 @@ def main() -> None:
     peak = statistics.median(peaks)
     print(f"model: {n_params:,} params (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "
           f"threads {threads}, load {min(loads):.1f}-{max(loads):.1f}, OpenMP waits "
-          f"{os.environ.get('OMP_WAIT_POLICY', '-')}, spin count {os.environ.get('GOMP_SPINCOUNT', '-')}, "
+          f"{os.environ.get('OMP_WAIT_POLICY', '-')}, spin count {os.environ.get('GOMP_SPINCOUNT', '-')} (as a rank's trainer.omp_wait=auto), "
           f"{args.hog} busy processes during the steps")
     print(f"batch: {args.prompts} prompts x {args.n} samples, prompts {lo}-{hi} tokens, up to {args.new_tokens} new "
           f"tokens{' (fixed length)' if args.ignore_eos else ''}, {args.steps} steps after 1 warm-up, medians")
