@@ -34,7 +34,6 @@ PASSIVE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 USER_OMP_VARS = ("GOMP_SPINCOUNT",)
 # trainer.omp_wait's bounded spin: libgomp spin counts before a waiting thread sleeps (~150 us here)
 SHORT_SPIN = 3000
-OMP_WAIT_CHOICES = ("auto", "spin", "passive")
 
 
 # the driver's scheduling priority, given to its ranks (``restore_rank_priority``)
@@ -118,6 +117,8 @@ def omp_spin_count(choice: str, threads: int) -> int:
     """``GOMP_SPINCOUNT`` for ranks that run ``threads`` intra-op threads on this machine in all
     (``trainer.omp_wait``): ``spin`` -> ``SHORT_SPIN``, ``passive`` -> 0, ``auto`` -> ``SHORT_SPIN``
     when a core is free for each of those threads now, else 0."""
+    from engine.config.schema import OMP_WAIT_CHOICES
+
     if choice not in OMP_WAIT_CHOICES:
         raise ValueError(f"trainer.omp_wait must be one of {', '.join(OMP_WAIT_CHOICES)}, not {choice!r}")
     if choice == "auto":
@@ -127,11 +128,10 @@ def omp_spin_count(choice: str, threads: int) -> int:
 
 def omp_wait_now() -> str:
     """How this process's OpenMP threads wait, in words (what its environment told the runtime)."""
-    policy = os.environ.get("OMP_WAIT_POLICY", "").lower()
-    spin = os.environ.get("GOMP_SPINCOUNT", "")
-    if spin:
-        return f"spin {spin} counts, then sleep" if spin.strip() not in ("0", "") else "passive"
-    return policy or "runtime default"
+    spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if spin and spin != "0":
+        return f"spin {spin} counts, then sleep"
+    return "passive" if spin == "0" else (os.environ.get("OMP_WAIT_POLICY", "").lower() or "runtime default")
 
 
 def rank_env(threads: int, spin: int = 0) -> dict[str, str]:

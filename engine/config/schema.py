@@ -21,6 +21,10 @@ def _f(default, help: str, **limits):
     return field(default=default, metadata=meta)
 
 
+# trainer.omp_wait (engine/threads.py reads it from here)
+OMP_WAIT_CHOICES = ("auto", "spin", "passive")
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = _f(40, "RL steps to run (each: rollout, reward, advantages, update)", min=1)
@@ -48,7 +52,7 @@ class TrainerConfig:
                                "(sleep at once: steadiest when other work shares the cores), auto = spin when the "
                                "machine has a free core for every rank thread at launch, else passive. "
                                "OMP_WAIT_POLICY / GOMP_SPINCOUNT / KMP_BLOCKTIME set by the user win",
-                        choices=["auto", "spin", "passive"])
+                        choices=list(OMP_WAIT_CHOICES))
     keep_host_heap: bool = _f(True, "ranks keep the host memory a step frees for the next step (glibc malloc: no "
                                     "trimming, no mmap per block under 32 MiB), so steps do not page-fault it in "
                                     "again; resident memory then stays at the step's peak. false = glibc's defaults")
