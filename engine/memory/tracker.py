@@ -160,6 +160,7 @@ class MemoryTracker:
         self._records: list[PhaseRecord] = []
         self._current: dict | None = None
         self._rss_interval_s = rss_interval_s
+        self._saved_by_key: dict = {}  # (category, key) -> bytes saved (saved_tensors)
 
     # -- what to measure --
     def attach(self, models=None, optimizer=None) -> None:
@@ -273,14 +274,27 @@ class MemoryTracker:
         return b
 
     @contextmanager
-    def saved_tensors(self, category: str = "activations"):
-        """Count what autograd saves inside the block (one forward) under ``category``."""
+    def saved_tensors(self, category: str = "activations", key=None):
+        """Count what autograd saves inside the block (one forward) under ``category``.
+
+        ``key``: everything the saved bytes depend on (the model, the forward's input shapes and
+        layout, grad mode, train mode), or None. A key measured before reuses its bytes and runs
+        the block without hooks (yielding None): the pack/unpack hooks are a Python call per
+        saved tensor and its unpacking, ~8% of a small update on a CPU (docs/benchmarks.md, issue
+        17), while the same shapes through the same code save the same bytes. Bucketed
+        micro-batches repeat shapes, so most steps reuse a measurement."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; categories are: {', '.join(CATEGORIES)}")
+        if key is not None and (category, key) in self._saved_by_key:
+            self._bump(category, self._saved_by_key[(category, key)])
+            yield None
+            return
         meter = SavedTensorsMeter(self._param_storage_keys())
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             yield meter
         self._bump(category, meter.bytes)
+        if key is not None:
+            self._saved_by_key[(category, key)] = meter.bytes
 
     def activations(self):
         """``saved_tensors("activations")``: wrap one model forward."""
