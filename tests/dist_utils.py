@@ -50,3 +50,9 @@ def run_ranks(fn, world: int, *args):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:
                 out.append(pickle.load(f))
         return out
+
+
+def full_tensor(t):
+    """The whole tensor of an FSDP2 DTensor parameter, or the tensor itself (a one-rank CPU
+    engine trains the plain model: engine.fsdp_unit=auto)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -3,6 +3,7 @@ equals a single-rank step on the same global batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config.load import load_run_config
@@ -161,52 +162,76 @@ def _compiled_vs_eager(rank, world):
     return out
 
 
-def test_fsdp_unit_auto_is_one_unit_on_a_one_rank_cpu_run():
-    """engine.fsdp_unit=auto: one FSDP2 unit for the whole model on one CPU rank (the per-layer
-    hooks cost 6-12% of an update there), a unit per decoder layer on more ranks or a GPU."""
-    from engine.backends.fsdp import shards_each_layer
+def test_fsdp_unit_auto_is_no_fsdp_on_a_one_rank_cpu_run():
+    """engine.fsdp_unit=auto: no FSDP2 on one CPU rank (its gather copies, hooks and DTensor
+    dispatch cost ~20% of an update there and shard nothing), a unit per decoder layer on more
+    ranks or a GPU; the explicit choices are kept."""
+    from engine.backends.fsdp import fsdp_units
     from engine.config.schema import FSDPEngineConfig
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    auto, layer, model = (FSDPEngineConfig(fsdp_unit=u) for u in ("auto", "layer", "model"))
-    assert not shards_each_layer(auto, 1, cpu)
-    assert shards_each_layer(auto, 2, cpu) and shards_each_layer(auto, 1, gpu)
-    assert shards_each_layer(layer, 1, cpu) and not shards_each_layer(model, 4, gpu)
+    auto, layer, model, none = (FSDPEngineConfig(fsdp_unit=u) for u in ("auto", "layer", "model", "none"))
+    assert fsdp_units(auto, 1, cpu) == "none"
+    assert fsdp_units(auto, 2, cpu) == fsdp_units(auto, 1, gpu) == "layer"
+    assert fsdp_units(layer, 1, cpu) == "layer" and fsdp_units(model, 4, gpu) == "model"
+    assert fsdp_units(none, 1, cpu) == "none"
+
+
+def test_fsdp_unit_none_refuses_more_ranks_and_low_precision():
+    """engine.fsdp_unit=none is the plain model on one rank: more ranks need FSDP2 to shard over,
+    and a bf16 model needs its mixed-precision policy; each gets a ConfigError naming the fix."""
+    from engine.backends.fsdp import check_fsdp_units
+    from engine.errors import ConfigError
+
+    check_fsdp_units("none", 1, "float32")
+    check_fsdp_units("layer", 4, "bfloat16")
+    with pytest.raises(ConfigError, match="2 ranks.*engine.fsdp_unit=auto"):
+        check_fsdp_units("none", 2, "float32")
+    with pytest.raises(ConfigError, match="model.dtype=bfloat16.*model.dtype=float32"):
+        check_fsdp_units("none", 1, "bfloat16")
 
 
 def test_one_unit_trains_bit_for_bit_like_a_unit_per_layer():
-    """On one rank the whole-model unit and per-layer units compute the same update: after two
-    steps every weight and the optimizer state are equal bit for bit, and the checkpoint state
-    has the same keys, shapes and DTensor placements (a checkpoint of either loads into the
-    other)."""
+    """On one rank the whole-model unit, per-layer units and no FSDP2 at all compute the same
+    update: after two steps every weight and the optimizer state are equal bit for bit, and the
+    checkpoint state has the same keys and shapes (the two FSDP2 layouts the same DTensor
+    placements too; a checkpoint of any loads into the others: test_resume's world-size
+    changes load a plain one-rank checkpoint into FSDP2 ranks and back)."""
     results = run_ranks(_units_compared, 1)[0]
     assert results["layer_units"] == results["layers"] + 1 >= 3 and results["model_units"] == 1
-    assert results["same_weights"] and results["same_optim"]
-    assert results["same_layout"]
+    assert results["none_units"] == 0 and results["none_plain"]
+    for other in ("model", "none"):
+        assert results[f"{other}_same_weights"] and results[f"{other}_same_optim"], other
+        assert results[f"{other}_same_layout"], other
 
 
 def _units_compared(rank, world):
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     from engine.backends.fsdp import decoder_blocks
 
     out, states = {}, {}
-    for unit in ("layer", "model"):
+    for unit in ("layer", "model", "none"):
         torch.manual_seed(0)
         cfg, eng = _engine(["engine.micro_batch_size=4", "optim.lr=1e-2", f"engine.fsdp_unit={unit}"])
         out[f"{unit}_units"] = sum(isinstance(m, FSDPModule) for m in eng.model.modules())
         out["layers"] = len(decoder_blocks(eng.model))
+        if unit == "none":
+            out["none_plain"] = not any(isinstance(p, DTensor) for p in eng.model.parameters())
         grpo_steps(cfg, eng, world)
         states[unit] = eng.checkpoint_state()
-    a, b = states["layer"], states["model"]
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    out["same_weights"] = a["model"].keys() == b["model"].keys() and all(
-        torch.equal(local(a["model"][k]), local(b["model"][k])) for k in a["model"])
-    out["same_optim"] = a["optim"].keys() == b["optim"].keys() and all(
-        torch.equal(local(a["optim"][k]), local(b["optim"][k])) if isinstance(a["optim"][k], torch.Tensor)
-        else a["optim"][k] == b["optim"][k] for k in a["optim"])
-    out["same_layout"] = all(
-        tuple(a["model"][k].shape) == tuple(b["model"][k].shape)
-        and getattr(a["model"][k], "placements", None) == getattr(b["model"][k], "placements", None)
-        for k in a["model"])
+    a = states["layer"]
+    for other in ("model", "none"):
+        b = states[other]
+        out[f"{other}_same_weights"] = a["model"].keys() == b["model"].keys() and all(
+            torch.equal(local(a["model"][k]), local(b["model"][k])) for k in a["model"])
+        out[f"{other}_same_optim"] = a["optim"].keys() == b["optim"].keys() and all(
+            torch.equal(local(a["optim"][k]), local(b["optim"][k])) if isinstance(a["optim"][k], torch.Tensor)
+            else a["optim"][k] == b["optim"][k] for k in a["optim"])
+        out[f"{other}_same_layout"] = all(
+            tuple(a["model"][k].shape) == tuple(b["model"][k].shape)
+            and (other == "none" or getattr(a["model"][k], "placements", None) == getattr(b["model"][k], "placements", None))
+            for k in a["model"])
     return out

@@ -157,15 +157,17 @@ def _grpo_step(rank, world, cpu_matmul: str):
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.rollout.torch_sampler import TorchSampler
 
+    from tests.dist_utils import full_tensor
+
     cfg, eng = _engine(cpu_matmul)
-    before = {n: p.full_tensor().detach().clone() for n, p in eng.model.named_parameters()}
+    before = {n: full_tensor(p).detach().clone() for n, p in eng.model.named_parameters()}
     sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
     with eng.generation_model() as m:
         batch = sampler.generate(m, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], 4, torch.Generator().manual_seed(0))
     batch.advantages = token_advantages(grpo_advantages(torch.linspace(0, 1, len(batch)), 4), batch.response_mask)
     ops = _profiled_ops(lambda: eng.train_step(batch, PolicyLoss(cfg.algorithm, 1)))
     recomputed, _ = eng.compute_log_probs(batch)
-    after = {n: p.full_tensor().detach().clone() for n, p in eng.model.named_parameters()}
+    after = {n: full_tensor(p).detach().clone() for n, p in eng.model.named_parameters()}
     return {"swapped": eng.onednn_linears, "ops": ops, "ids": batch.input_ids, "logps": batch.rollout_log_probs,
             "recomputed": recomputed, "before": before, "after": after}
 

@@ -16,7 +16,7 @@ import torch
 
 from engine.algorithms.value_loss import value_loss
 from engine.backends.critic import ValueModel
-from tests.dist_utils import run_ranks
+from tests.dist_utils import full_tensor, run_ranks
 
 
 def test_value_loss_clips_by_hand():
@@ -152,17 +152,17 @@ def _critic_offload_round_trip(rank, world):
                           prompt_lengths=torch.full((4,), 3), advantages=torch.zeros(4, 8),
                           values=torch.zeros(4, 8), returns=torch.rand(4, 8, generator=g) * resp)
     eng.critic.train_step(batch)   # AdamW state exists
-    before = {k: v.full_tensor().clone() for k, v in eng.critic.model.state_dict().items()}
+    before = {k: full_tensor(v).clone() for k, v in eng.critic.model.state_dict().items()}
     opt_before = [t.clone() for st in eng.critic.optimizer.state.values() for t in st.values()]
     rep = eng.offload()
-    shard = next(eng.critic.model.parameters()).to_local()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (DTensor shards)
+    shard = local(next(eng.critic.model.parameters()))
     moved = (shard.untyped_storage().size() == 0,
              all(local(t).untyped_storage().size() == 0 for st in eng.critic.optimizer.state.values()
                  for t in st.values() if t.dim() > 0))
-    critic_bytes = sum(p.to_local().numel() * 4 for p in eng.critic.model.parameters())
+    critic_bytes = sum(local(p).numel() * 4 for p in eng.critic.model.parameters())
     eng.onload()
-    after = {k: v.full_tensor() for k, v in eng.critic.model.state_dict().items()}
+    after = {k: full_tensor(v) for k, v in eng.critic.model.state_dict().items()}
     opt_after = [t for st in eng.critic.optimizer.state.values() for t in st.values()]
     return {"moved": moved, "bytes": (rep.param_bytes, rep.optimizer_bytes), "critic_bytes": critic_bytes,
             "exact": all(torch.equal(before[k], after[k]) for k in before)

@@ -38,7 +38,7 @@ class FSDPCritic:
     def __init__(self, cfg, engine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from engine.backends.fsdp import decoder_blocks, shards_each_layer, use_cpu_matmul
+        from engine.backends.fsdp import decoder_blocks, use_cpu_matmul
         from engine.model.build import build_hf_model
 
         self.cfg, self.engine = cfg, engine
@@ -51,10 +51,10 @@ class FSDPCritic:
         del lm
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype), reduce_dtype=torch.float32)
         model.to(engine.device)
-        per_layer = shards_each_layer(cfg.engine, engine.world_size, engine.device)
-        for layer in decoder_blocks(model.backbone) if per_layer else []:
-            fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
-        fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
+        if engine.units != "none":  # the policy's layout (engine/backends/fsdp.py fsdp_units)
+            for layer in decoder_blocks(model.backbone) if engine.units == "layer" else []:
+                fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
+            fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
         if cfg.engine.fused_kernels:  # the same kernels as the policy's (engine/model/fused_kernels.py)
             from engine.model.fused_kernels import use_fused_kernels
 
@@ -85,12 +85,14 @@ class FSDPCritic:
     def train_step(self, batch: SequenceBatch) -> dict:
         """One optimizer step of the critic on this rank's share of a mini-batch (needs
         ``batch.values`` and ``batch.returns``). Returns partial sums of its metrics."""
+        from engine.backends.fsdp import set_gradient_sync
+
         self.model.train()
         n_tokens, _ = global_counts(batch, None, self.engine.world_size)
         mbs = self.engine._micro_batches(batch, observe=False)
         sums = {"value_loss": 0.0, "value_clip_frac": 0.0}
         for i, mb in enumerate(mbs):
-            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            set_gradient_sync(self.model, i == len(mbs) - 1)
             b = mb.batch
             v = self._forward(b)
             dev = self.engine.device

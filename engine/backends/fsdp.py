@@ -4,6 +4,7 @@ Data parallel over all ranks (gloo on CPU, nccl on CUDA). Every rank builds the 
 seeded model, shards each decoder layer and the root, and trains with AdamW on the local
 shards (DTensors). Gradients are reduced once per optimizer step (no sync on earlier
 micro-batches), and every rank runs the same number of micro-batches so collectives line up.
+A one-rank CPU run trains the plain model instead (``engine.fsdp_unit``, ``fsdp_units``).
 """
 
 from __future__ import annotations
@@ -39,16 +40,42 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in blocks if id(b) not in inner]
 
 
-def shards_each_layer(engine_cfg, world_size: int, device: torch.device) -> bool:
-    """Whether every decoder layer is its own FSDP2 unit (``engine.fsdp_unit``). One unit for the
-    whole model gathers once a pass instead of once a layer: on one rank nothing is sharded, and
-    on a CPU the per-layer hooks cost 6-12% of an update (docs/benchmarks.md, issue 17), while the
-    whole gathered copy costs host memory only. On GPUs and across ranks layers bound what is
-    gathered at once."""
+def fsdp_units(engine_cfg, world_size: int, device: torch.device) -> str:
+    """What ``engine.fsdp_unit`` wraps in FSDP2 on this run: ``layer`` (every decoder layer its
+    own unit), ``model`` (one unit: one gather a pass instead of one a layer) or ``none`` (no
+    FSDP2: the plain model). On one rank there is nothing to shard or reduce, and FSDP2's
+    gather copies, hooks and DTensor dispatch are all cost: 18-20% of an update and the whole
+    gathered copy of the weights at the issue-17 shape on a CPU (docs/benchmarks.md), so
+    ``auto`` takes ``none`` on a one-rank CPU run. On GPUs and across ranks layers bound what is
+    gathered at once. ``none`` needs one rank and float32 parameters (FSDP2's mixed-precision
+    policy is what casts a low-precision compute copy): ``check_fsdp_units`` says so otherwise."""
     unit = getattr(engine_cfg, "fsdp_unit", "layer")
     if unit == "auto":
-        return not (world_size == 1 and device.type == "cpu")
-    return unit == "layer"
+        return "none" if world_size == 1 and device.type == "cpu" else "layer"
+    return unit
+
+
+def check_fsdp_units(units: str, world_size: int, dtype: str) -> None:
+    """A clear error for ``engine.fsdp_unit=none`` where FSDP2 is needed."""
+    from engine.errors import ConfigError
+
+    if units != "none":
+        return
+    if world_size > 1:
+        raise ConfigError(f"engine.fsdp_unit=none runs the plain model on one rank, but this run has {world_size} "
+                          f"ranks, which FSDP2 shards over. Use engine.fsdp_unit=auto (or layer/model), or one rank.",
+                          title="invalid config value")
+    if dtype != "float32":
+        raise ConfigError(f"engine.fsdp_unit=none keeps the parameters as they are, but model.dtype={dtype} computes "
+                          f"in a low-precision copy that FSDP2's mixed-precision policy makes. Use engine.fsdp_unit=auto "
+                          f"(or model/layer), or model.dtype=float32.", title="invalid config value")
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync`` (reduce gradients on this backward or not); a
+    plain model (``engine.fsdp_unit=none``) has nothing to reduce."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
 
 
 def compile_decoder_blocks(model: torch.nn.Module) -> int:
@@ -103,6 +130,7 @@ class FSDPEngine(TrainEngine):
         self.router_replay = None  # engine.moe.router_replay.RouterReplay, set by build()
         self.fused_kernels: dict[str, int] = {}  # kind -> modules swapped (engine.fused_kernels)
         self.onednn_linears = 0  # linear layers multiplying through oneDNN (engine.cpu_matmul)
+        self.units = "layer"  # what FSDP2 wraps: layer, model or none (fsdp_units)
 
     # ---- build --------------------------------------------------------------------------
     def build(self) -> None:
@@ -133,10 +161,13 @@ class FSDPEngine(TrainEngine):
                 model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
-        per_layer = shards_each_layer(c.engine, self.world_size, self.device)
+        self.units = fsdp_units(c.engine, self.world_size, self.device)
+        check_fsdp_units(self.units, self.world_size, c.model.dtype)
         for m in [model] + ([ref] if ref is not None else []):
             m.to(self.device)
-            for layer in decoder_blocks(m) if per_layer else []:
+            if self.units == "none":
+                continue
+            for layer in decoder_blocks(m) if self.units == "layer" else []:
                 fully_shard(layer, mesh=self.mesh, mp_policy=mp,
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)
@@ -249,11 +280,24 @@ class FSDPEngine(TrainEngine):
             mbs.append(_zero_weight(mbs[0]))
         return mbs
 
-    def _measure(self, category: str):
-        """Count what autograd saves in the block under ``category`` (yields the meter or None)."""
+    def _measure(self, category: str, key=None):
+        """Count what autograd saves in the block under ``category`` (yields the meter or None;
+        ``key``: ``_saved_key``'s, a shape measured before is not measured again)."""
         from contextlib import nullcontext
 
-        return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
+        return self.tracker.saved_tensors(category, key) if self.tracker is not None else nullcontext()
+
+    def _saved_key(self, mb: SequenceBatch, groups) -> tuple | None:
+        """What a micro-batch's saved-for-backward bytes depend on (MemoryTracker.saved_tensors):
+        the model, grad and train mode, the input shape, the prompt-grouped layout's shapes, and
+        whether any position is padding (the attention mask is then a tensor, else SDPA's causal
+        flag). None under activation offload, whose hooks count through the meter every time."""
+        if self.activation_offload is not None or self.tracker is None:
+            return None
+        layout = None if groups is None else (tuple(groups.prompt_ids.shape), tuple(groups.response_ids.shape),
+                                              groups.fed, bool(groups.prompt_mask.all()))
+        return (id(self.model), torch.is_grad_enabled(), self.model.training, tuple(mb.input_ids.shape),
+                bool(mb.attention_mask.all()), layout)
 
     def _observe_lengths(self, mbs) -> None:
         """Feed every rank's natural micro-batch lengths to every rank's bucket policy, so all
@@ -331,7 +375,7 @@ class FSDPEngine(TrainEngine):
         mbs = self._micro_batches(batch)
         layouts = self._layouts(mbs)
         for i, (mb, groups) in enumerate(zip(mbs, layouts)):
-            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            set_gradient_sync(self.model, i == len(mbs) - 1)
             with self._replay(mb.batch, groups=groups):  # through backward: checkpointing recomputes them too
                 loss, m = self._micro_batch_loss(mb, groups, loss_fn, n_tokens, n_seqs)
                 loss.backward()
@@ -361,7 +405,8 @@ class FSDPEngine(TrainEngine):
 
     def _micro_batch_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float):
         """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
-        with self._measure("activations") as meter:
+        key = self._saved_key(mb.batch, groups)
+        with self._measure("activations", key) as meter:
             if self.activation_offload is not None:  # what stays on the device is counted there
                 self.activation_offload.meter = meter
             logits = (grouped_logits(self.model, groups, self.device) if groups is not None
@@ -369,7 +414,7 @@ class FSDPEngine(TrainEngine):
         lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
         lp_fn = response_log_probs if groups is not None else token_log_probs
         ids = lp_batch.input_ids.to(self.device)
-        with self._measure("logits") as meter:
+        with self._measure("logits", key and key + (loss_fn.needs_entropy,)) as meter:
             if meter is not None:
                 meter.add(logits)
             # entropy: in the loss (a bonus) or only a metric (from the same log-softmax, no graph)
@@ -409,16 +454,20 @@ class FSDPEngine(TrainEngine):
     def generation_model(self):
         """Gather full weights once, keep them gathered while sampling (no collectives per
         token, so ranks that finish early cannot deadlock), then reshard."""
+        from torch.distributed.fsdp import FSDPModule
+
         m = self.model
         m.eval()
+        if not isinstance(m, FSDPModule):  # engine.fsdp_unit=none: the weights are whole already
+            with eager_decoder_blocks(m):
+                yield m
+            return
         m.unshard()
         m.set_reshard_after_forward(False, recurse=True)
         try:
             with eager_decoder_blocks(m):
                 yield m
         finally:
-            from torch.distributed.fsdp import FSDPModule
-
             m.set_reshard_after_forward(self.cfg.engine.reshard_after_forward, recurse=True)
             for mod in m.modules():  # reshard() is not recursive: free every layer's gathered weights
                 if isinstance(mod, FSDPModule):

@@ -51,7 +51,7 @@ ALLOWED: dict[str, str] = {
     "engine.compile": "compiles the same forward",
     "engine.fused_kernels": "the same formulas as fused kernels (float sums may round differently)",
     "engine.reshard_after_forward": _MEMORY,
-    "engine.fsdp_unit": _MEMORY + " (the same parameters and DTensor layout)",
+    "engine.fsdp_unit": _MEMORY + " (the same parameters under the same names and shapes)",
     "engine.cpu_matmul": "the same products by another GEMM library (float sums may round differently)",
     "engine.skip_zero_advantage_rows": "skips only rows that get no gradient (float sums may round differently)",
     "engine.pad_to_length": _PADDING,

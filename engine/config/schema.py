@@ -229,9 +229,10 @@ class EngineConfig:
 class FSDPEngineConfig(EngineConfig):
     reshard_after_forward: bool = _f(True, "FSDP2: free gathered params after forward (ZeRO-3) or keep (ZeRO-2)")
     fsdp_unit: str = _f("auto", "what one FSDP2 unit gathers at a time: each decoder layer (bounded gathered "
-                                "memory) or the whole model (one gather and one gradient reduction a pass, fewer "
-                                "hooks; its gathered weights live through the update); auto = model on a one-rank "
-                                "CPU run, layer otherwise", choices=["auto", "layer", "model"])
+                                "memory), the whole model (one gather and one gradient reduction a pass, fewer "
+                                "hooks; its gathered weights live through the update) or none (no FSDP2: the plain "
+                                "model, one rank and float32 only); auto = none on a one-rank CPU run, layer otherwise",
+                        choices=["auto", "layer", "model", "none"])
     skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
                                               "token (groups whose samples all scored the same) when the loss has "
                                               "no KL or entropy term: the same gradient, metrics from a no-grad pass")
