@@ -235,6 +235,36 @@ def test_tracker_resets_peak_per_phase_and_validates_names():
                 pass
 
 
+def test_keyed_saved_tensor_measurement_is_reused_without_hooks():
+    """saved_tensors(category, key): the first block with a key is measured through the hooks;
+    a later block with the same key records the same bytes without them (yields None, no pack
+    hook runs); another key, or no key, is measured again."""
+    w = torch.randn(64, 64, requires_grad=True)
+    packs = []
+
+    def forward(x):
+        return torch.tanh(x @ w).sum()
+
+    tracker = MemoryTracker("cpu")
+    with tracker.phase("update"):
+        with tracker.saved_tensors("activations", key=("a", 32)) as m:
+            forward(torch.randn(32, 64))
+        first = m.bytes
+    with tracker.phase("update"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packs.append(1) or t, lambda t: t):
+            with tracker.saved_tensors("activations", key=("a", 32)) as m2:
+                forward(torch.randn(32, 64))
+        reused = tracker._current["categories"]["activations"]
+    with tracker.phase("update"):
+        with tracker.saved_tensors("activations", key=("a", 128)) as m3:
+            forward(torch.randn(128, 64))
+    assert first > 0 and m2 is None and reused == first
+    assert packs  # the outer hooks saw the forward: the keyed block added none of its own
+    assert m3 is not None and m3.bytes > first
+    recs = tracker.phase_records()
+    assert recs[1].categories["activations"] == first and recs[2].categories["activations"] == m3.bytes
+
+
 # ---- offload bookkeeping ------------------------------------------------------------------
 def _storage_nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
