@@ -8,7 +8,8 @@ same run, with the update's achieved FLOP/s as a fraction of a matmul peak measu
 
 Two engines with the same initial weights run alternately, step by step:
 ``plain`` -- torch's own GEMM (MKL), the torch sampler's plain loop (every row prefilled, finished rows kept, sampling on
-the host) and the plain update forward (prompts recomputed for every sample);
+the host), the plain update forward (prompts recomputed for every sample) and FSDP2 with a unit per decoder layer
+(``engine.fsdp_unit=layer``; the defaults train the plain model on one CPU rank);
 ``dynamic`` -- fast, but every decode step through the model's own forward and growing cache;
 ``fast`` -- the defaults (one prefill per prompt group, finished rows dropped, on-device sampling,
 decode steps on a preallocated KV cache (engine/rollout/static_decode.py), decode lanes (one
@@ -106,7 +107,8 @@ def main() -> None:
     runs = {}
     for mode in args.modes:
         engine_cfg = dataclasses.replace(cfg.engine, fused_kernels=mode == "fused",
-                                         cpu_matmul="aten" if mode in ("plain", "aten") else cfg.engine.cpu_matmul)
+                                         cpu_matmul="aten" if mode in ("plain", "aten") else cfg.engine.cpu_matmul,
+                                         fsdp_unit="layer" if mode == "plain" else cfg.engine.fsdp_unit)
         mode_cfg = dataclasses.replace(cfg, engine=engine_cfg)
         eng = FSDPEngine(mode_cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
         eng.build()
