@@ -250,8 +250,9 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
                 logs_list.append(dict(logs))
 
     logs_list = logs
+    out_dir = tempfile.mkdtemp(prefix="trl-out-", dir="/tmp")  # TRL wants one; nothing is saved there
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-out-", dir="/tmp"), per_device_train_batch_size=P * G,
+        output_dir=out_dir, per_device_train_batch_size=P * G,
         gradient_accumulation_steps=1, num_generations=G, max_completion_length=N, max_steps=steps,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.99, max_grad_norm=1.0, optim="adamw_torch", beta=0.0, num_iterations=1, temperature=1.0,
@@ -261,7 +262,10 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_reward, args=args, train_dataset=ds,
                           processing_class=tok, callbacks=[Timer()])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     gen = [lg["completions/mean_length"] * P * G for lg in logs]
     Path(result).write_text(json.dumps({"step_s": times, "gen_tokens": gen,
                                         "reward": [lg.get("reward", 0.0) for lg in logs]}))
