@@ -175,6 +175,7 @@ def test_fsdp_unit_auto_is_no_fsdp_on_a_one_rank_cpu_run():
     assert fsdp_units(auto, 2, cpu) == fsdp_units(auto, 1, gpu) == "layer"
     assert fsdp_units(layer, 1, cpu) == "layer" and fsdp_units(model, 4, gpu) == "model"
     assert fsdp_units(none, 1, cpu) == "none"
+    assert fsdp_units(auto, 1, cpu, "bfloat16") == "model"  # its compute copy is FSDP2's mixed precision
 
 
 def test_fsdp_unit_none_refuses_more_ranks_and_low_precision():

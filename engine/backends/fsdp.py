@@ -40,18 +40,21 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in blocks if id(b) not in inner]
 
 
-def fsdp_units(engine_cfg, world_size: int, device: torch.device) -> str:
+def fsdp_units(engine_cfg, world_size: int, device: torch.device, dtype: str = "float32") -> str:
     """What ``engine.fsdp_unit`` wraps in FSDP2 on this run: ``layer`` (every decoder layer its
     own unit), ``model`` (one unit: one gather a pass instead of one a layer) or ``none`` (no
     FSDP2: the plain model). On one rank there is nothing to shard or reduce, and FSDP2's
-    gather copies, hooks and DTensor dispatch are all cost: 18-20% of an update and the whole
+    gather copies, hooks and DTensor dispatch are all cost: 5-20% of an update and the whole
     gathered copy of the weights at the issue-17 shape on a CPU (docs/benchmarks.md), so
-    ``auto`` takes ``none`` on a one-rank CPU run. On GPUs and across ranks layers bound what is
-    gathered at once. ``none`` needs one rank and float32 parameters (FSDP2's mixed-precision
-    policy is what casts a low-precision compute copy): ``check_fsdp_units`` says so otherwise."""
+    ``auto`` takes ``none`` on a one-rank CPU run of a float32 model (``model``, one unit, for a
+    low-precision one: FSDP2's mixed-precision policy is what casts its compute copy). On GPUs
+    and across ranks layers bound what is gathered at once. ``check_fsdp_units`` refuses an
+    explicit ``none`` where FSDP2 is needed."""
     unit = getattr(engine_cfg, "fsdp_unit", "layer")
     if unit == "auto":
-        return "none" if world_size == 1 and device.type == "cpu" else "layer"
+        if world_size == 1 and device.type == "cpu":
+            return "none" if dtype == "float32" else "model"
+        return "layer"
     return unit
 
 
@@ -161,7 +164,7 @@ class FSDPEngine(TrainEngine):
                 model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
-        self.units = fsdp_units(c.engine, self.world_size, self.device)
+        self.units = fsdp_units(c.engine, self.world_size, self.device, c.model.dtype)
         check_fsdp_units(self.units, self.world_size, c.model.dtype)
         for m in [model] + ([ref] if ref is not None else []):
             m.to(self.device)
@@ -458,20 +461,19 @@ class FSDPEngine(TrainEngine):
 
         m = self.model
         m.eval()
-        if not isinstance(m, FSDPModule):  # engine.fsdp_unit=none: the weights are whole already
-            with eager_decoder_blocks(m):
-                yield m
-            return
-        m.unshard()
-        m.set_reshard_after_forward(False, recurse=True)
+        sharded = isinstance(m, FSDPModule)  # engine.fsdp_unit=none: the weights are whole already
+        if sharded:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=True)
         try:
             with eager_decoder_blocks(m):
                 yield m
         finally:
-            m.set_reshard_after_forward(self.cfg.engine.reshard_after_forward, recurse=True)
-            for mod in m.modules():  # reshard() is not recursive: free every layer's gathered weights
-                if isinstance(mod, FSDPModule):
-                    mod.reshard()
+            if sharded:
+                m.set_reshard_after_forward(self.cfg.engine.reshard_after_forward, recurse=True)
+                for mod in m.modules():  # reshard() is not recursive: free every layer's gathered weights
+                    if isinstance(mod, FSDPModule):
+                        mod.reshard()
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank gets every tensor (a collective: all ranks call it), gathered one

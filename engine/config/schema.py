@@ -231,7 +231,8 @@ class FSDPEngineConfig(EngineConfig):
     fsdp_unit: str = _f("auto", "what one FSDP2 unit gathers at a time: each decoder layer (bounded gathered "
                                 "memory), the whole model (one gather and one gradient reduction a pass, fewer "
                                 "hooks; its gathered weights live through the update) or none (no FSDP2: the plain "
-                                "model, one rank and float32 only); auto = none on a one-rank CPU run, layer otherwise",
+                                "model, one rank and float32 only); auto = none on a one-rank CPU run (model for a "
+                                "bf16/fp16 model), layer otherwise",
                         choices=["auto", "layer", "model", "none"])
     skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
                                               "token (groups whose samples all scored the same) when the loss has "
