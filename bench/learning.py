@@ -106,8 +106,9 @@ def trl_reward(prompts, completions, answer, **kwargs):
 '''
 
 
-def build_job(work: Path, job: str) -> Path:
-    """``work/job``: prompts.jsonl (train + held-out), the reward module, and the shared model dir."""
+def build_job(work: Path, job: str, size: tuple = (HIDDEN, LAYERS, HEADS, INTER, VOCAB)) -> Path:
+    """``work/job``: train.jsonl, val.jsonl, the reward module, and the shared model dir ``work/model``
+    (``size``: hidden, layers, heads, intermediate and vocabulary of the random-init Llama)."""
     d = work / job
     d.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{job}-data")
@@ -115,11 +116,11 @@ def build_job(work: Path, job: str) -> Path:
     (d / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows[:NUM_TRAIN]))
     (d / "val.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows[NUM_TRAIN:]))
     (d / "learning_reward.py").write_text(REWARD_MODULE)
-    build_model(work / "model")
+    build_model(work / "model", size)
     return d
 
 
-def build_model(model_dir: Path) -> Path:
+def build_model(model_dir: Path, size: tuple = (HIDDEN, LAYERS, HEADS, INTER, VOCAB)) -> Path:
     """Random-init Llama + byte-level BPE tokenizer (pad 0, BOS 1, EOS 2), the same for every job."""
     if (model_dir / "config.json").exists():
         return model_dir
@@ -132,7 +133,8 @@ def build_model(model_dir: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+    hidden, layers, heads, inter, vocab = size
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
@@ -140,8 +142,8 @@ def build_model(model_dir: Path) -> Path:
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf_tok.save_pretrained(tmp)
-    cfg = LlamaConfig(vocab_size=max(VOCAB, len(hf_tok)), hidden_size=HIDDEN, intermediate_size=INTER,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+    cfg = LlamaConfig(vocab_size=max(vocab, len(hf_tok)), hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=False, rms_norm_eps=1e-6)
     torch.manual_seed(0)
@@ -151,10 +153,11 @@ def build_model(model_dir: Path) -> Path:
 
 
 # ---- the two tools, each a whole process -----------------------------------------------------------
-def rl_overrides(job_dir: Path, model_dir: Path, seed: int, steps: int, loss: str = "token-mean") -> list[str]:
+def rl_overrides(job_dir: Path, model_dir: Path, seed: int, steps: int, loss: str = "token-mean",
+                 new_tokens: int = NEW_TOKENS) -> list[str]:
     return [f"model.path={model_dir}", "task=jsonl", f"task.path={job_dir / 'train.jsonl'}",
             "task.reward_fn=learning_reward:rl_reward", "task.num_val=0",
-            f"data.train_batch_size={PROMPTS}", f"algorithm.rollout_n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}",
+            f"data.train_batch_size={PROMPTS}", f"algorithm.rollout_n={SAMPLES}", f"rollout.max_new_tokens={new_tokens}",
             "rollout.temperature=1.0", "rollout.top_p=1.0", f"optim.lr={LR}", "optim.betas=[0.9,0.999]",
             "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.grad_clip=1.0", "algorithm.name=grpo",
             "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.2", f"algorithm.loss_agg_mode={loss}",

@@ -69,19 +69,15 @@ def _sampler(path: str, **rollout) -> TorchSampler:
 
 def _target(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The sampling distribution, written from its definition: softmax(logits / T), then the
-    smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    smallest set of most likely tokens whose mass reaches top_p (a token is kept while the mass
+    of the tokens more likely than it is below top_p), renormalised. [..., V] -> [..., V]."""
     p = torch.softmax(logits.double() / temperature, dim=-1)
     if top_p >= 1.0:
         return p
-    out = torch.zeros_like(p)
-    for i in range(p.shape[0]):
-        order = sorted(range(p.shape[1]), key=lambda j: -float(p[i, j]))
-        mass = 0.0
-        for j in order:
-            if mass >= top_p:
-                break
-            out[i, j] = p[i, j]
-            mass += float(p[i, j])
+    sorted_p, order = p.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    kept = torch.zeros_like(p).scatter(-1, order, (before < top_p).double())
+    out = p * kept
     return out / out.sum(-1, keepdim=True)
 
 
@@ -143,17 +139,14 @@ def _pit(model, batch, temperature: float, top_p: float, seed: int = 5) -> torch
     target distribution given the row's sampled prefix: F(token - 1) + V p(token), V ~ U(0, 1).
     Uniform on (0, 1) exactly when each token was drawn from that distribution."""
     logits = _plain_logits(model, batch)
-    v = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(len(batch)):
-        cols = batch.response_mask[i].nonzero().squeeze(-1)
-        target = _target(logits[i, cols - 1], temperature, top_p)       # [n, V]
-        tok = batch.input_ids[i, cols]
-        cdf = target.cumsum(-1)
-        p_tok = target.gather(-1, tok[:, None]).squeeze(-1)
-        below = cdf.gather(-1, tok[:, None]).squeeze(-1) - p_tok
-        out.append(below + torch.rand(len(cols), generator=v, dtype=torch.float64) * p_tok)
-    return torch.cat(out)
+    mask = batch.response_mask.bool()
+    rows, cols = mask.nonzero(as_tuple=True)
+    target = _target(logits[rows, cols - 1], temperature, top_p)         # [n, V]
+    tok = batch.input_ids[rows, cols]
+    p_tok = target.gather(-1, tok[:, None]).squeeze(-1)
+    below = target.cumsum(-1).gather(-1, tok[:, None]).squeeze(-1) - p_tok
+    v = torch.rand(len(tok), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return below + v * p_tok
 
 
 def _ks(u: torch.Tensor) -> float:
