@@ -14,7 +14,8 @@ principles, not against another path of the sampler (which a shared bias would p
 
 Paths: the plain loop (``fast=False``), the fast path with prompt-shared prefill on a
 preallocated cache (static decode), the same through the model's own forward, and two decode
-lanes. The vLLM sampler's own parity checks are in tests/test_vllm.py.
+lanes. The vLLM sampler gets the same check of whole responses and the log-prob parity on its one
+engine start in tests/test_vllm.py.
 """
 
 from __future__ import annotations
@@ -134,11 +135,11 @@ def test_first_token_follows_the_sampling_distribution(path, temperature, top_p)
         assert float(p[p < 1e-3].sum()) * n > 20
 
 
-def _pit(model, batch, temperature: float, top_p: float, seed: int = 5) -> torch.Tensor:
+def _pit(logits: torch.Tensor, batch, temperature: float, top_p: float, seed: int = 5) -> torch.Tensor:
     """The randomised probability integral transform of every sampled response token under the
-    target distribution given the row's sampled prefix: F(token - 1) + V p(token), V ~ U(0, 1).
-    Uniform on (0, 1) exactly when each token was drawn from that distribution."""
-    logits = _plain_logits(model, batch)
+    target distribution given the row's sampled prefix (``logits``: a plain forward's over the
+    batch): F(token - 1) + V p(token), V ~ U(0, 1). Uniform on (0, 1) exactly when each token
+    was drawn from that distribution."""
     mask = batch.response_mask.bool()
     rows, cols = mask.nonzero(as_tuple=True)
     target = _target(logits[rows, cols - 1], temperature, top_p)         # [n, V]
@@ -147,6 +148,27 @@ def _pit(model, batch, temperature: float, top_p: float, seed: int = 5) -> torch
     below = target.cumsum(-1).gather(-1, tok[:, None]).squeeze(-1) - p_tok
     v = torch.rand(len(tok), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return below + v * p_tok
+
+
+def check_responses_follow(logits: torch.Tensor, batch, temperature: float, top_p: float, eos: int,
+                           max_new_tokens: int, what: str = "") -> None:
+    """Every response token of ``batch`` was drawn from the sampling distribution that ``logits``
+    (a plain forward over the batch, [B, T, V]) define: the PIT is uniform (Kolmogorov-Smirnov at
+    alpha = 0.001), and at every step the number of rows that end with EOS matches the sum of their
+    EOS probabilities (a Poisson-binomial: variance sum p (1 - p)), counting only rows live then."""
+    u = _pit(logits.double(), batch, temperature, top_p)
+    bound = 1.95 / math.sqrt(len(u))
+    assert _ks(u) < bound, (what, _ks(u), bound, len(u))
+    lengths = batch.response_mask.sum(-1)
+    for t in range(max_new_tokens):
+        live = (lengths > t).nonzero().squeeze(-1)
+        if live.numel() == 0:
+            break
+        cols = batch.prompt_lengths[live] + t
+        target = _target(logits[live, cols - 1].double(), temperature, top_p)[:, eos]
+        got = int((batch.input_ids[live, cols] == eos).sum())
+        want, var = float(target.sum()), float((target * (1 - target)).sum())
+        assert abs(got - want) <= 4 * math.sqrt(var) + 1, (what, t, got, want)
 
 
 def _ks(u: torch.Tensor) -> float:
@@ -164,19 +186,7 @@ def test_every_response_token_follows_the_sampling_distribution(path, temperatur
         model, PROMPTS, G // 2, torch.Generator().manual_seed(3))
     lengths = batch.response_mask.sum(-1)
     assert int((lengths < 6).sum()) > 500, "rows must finish at different steps for the test to see EOS"
-    u = _pit(model, batch, temperature, top_p)
-    bound = 1.95 / math.sqrt(len(u))  # Kolmogorov-Smirnov at alpha = 0.001
-    assert _ks(u) < bound, (path, _ks(u), bound, len(u))
-    # EOS at its true rate at every step: the count of rows ending at step t against the sum of
-    # their EOS probabilities (a Poisson-binomial: variance sum p (1 - p)), rows live at t only
-    logits = _plain_logits(model, batch)
-    for t in range(6):
-        live = (lengths > t).nonzero().squeeze(-1)
-        cols = batch.prompt_lengths[live] + t
-        target = _target(logits[live, cols - 1], temperature, top_p)[:, EOS]
-        got = int((batch.input_ids[live, cols] == EOS).sum())
-        want, var = float(target.sum()), float((target * (1 - target)).sum())
-        assert abs(got - want) <= 4 * math.sqrt(var) + 1, (path, t, got, want)
+    check_responses_follow(_plain_logits(model, batch), batch, temperature, top_p, EOS, 6, path)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

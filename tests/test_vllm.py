@@ -123,6 +123,11 @@ def _vllm_rank(rank, world):
         batch = sampler.generate(None, prompts, 4, torch.Generator().manual_seed(0))
         out["batch"] = batch
         out["lp_before"], _ = eng.compute_log_probs(batch)
+        # the sampling distribution: 2048 samples of one prompt, against the policy's own forward
+        big = sampler.generate(None, [[3, 4, 5]], 2048, torch.Generator().manual_seed(5))
+        with torch.no_grad(), eng.generation_model() as m:
+            out["big_logits"] = m(input_ids=big.input_ids, attention_mask=big.attention_mask).logits.float()
+        out["big"] = big
         greedy = [sampler.generate(None, prompts, 1, torch.Generator().manual_seed(s), greedy=True).input_ids
                   for s in (1, 2)]
         out["greedy_equal"] = torch.equal(greedy[0], greedy[1])
@@ -145,7 +150,8 @@ def _vllm_rank(rank, world):
 
 
 def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
-    """On one engine start (tied embeddings): (1) generation returns the torch rollout's
+    """On one engine start (tied embeddings): (0) 2048 samples of one prompt follow the sampling
+    distribution token by token (tests/test_sampling_parity.py's check); (1) generation returns the torch rollout's
     layout: 4 prompts x n=4 rows, prompt-major, right-padded, EOS ends a response;
     (2) vLLM's sampled-token log-probs equal the trainer's recompute at the rollout
     temperature (tolerance 1e-4 nats, fp32; measured ~1e-6); (3) after an optimizer step the
@@ -153,6 +159,12 @@ def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     again equal the trainer's (so lm_head followed the tied embedding); (4) memory() reports
     the KV cache and the engine processes."""
     (r,) = run_ranks(_vllm_rank, 1)
+    from tests.test_sampling_parity import check_responses_follow
+
+    # (0) every sampled token follows softmax(logits / T) of the policy, EOS at its rate at every step
+    big = r["big"]
+    assert int((big.response_mask.sum(-1) < 9).sum()) > 50, "rows must end at different steps"
+    check_responses_follow(r["big_logits"], big, 0.7, 1.0, EOS, 9, "vllm")
     b = r["batch"]
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [2]]
     assert len(b) == 16 and b.rollout_log_probs.shape == b.input_ids.shape
