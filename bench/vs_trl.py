@@ -23,6 +23,9 @@ first) and each figure is the median over repeats of the per-process median step
 update tokens/s (prompt+response tokens through forward+backward / step time), the FLOP bound
 (one step's matmul FLOPs -- generation forward, update forward+backward -- over the best fp32
 matmul peak measured in the same run, of MKL's ``a @ b`` and oneDNN's) and the ratios. The load average is printed with every figure.
+Beside the speed, what each tool learnt in those steps: the reward at the first step and the mean over the
+last half of the steps, and the mean completion length (a faster step that learns less is not faster; with
+both tools forbidding EOS here, every completion is N tokens, so learning to stop is bench/learning.py's job).
 """
 
 from __future__ import annotations
@@ -277,7 +280,14 @@ def summarise(runs: list[dict], warmup: int) -> dict:
     gen = [statistics.median(r["gen_tokens"][warmup:]) for r in runs]
     parts = {k: statistics.median(statistics.median(r[k][warmup:]) for r in runs)
              for k in ("rollout_s", "update_s") if k in runs[0]}
-    return {**parts, "step_s": statistics.median(per_proc), "step_s_runs": per_proc, "gen_tokens": statistics.median(gen),
+    # what each tool learnt in the same steps (a faster step that learns less is not faster): the
+    # mean reward of each process's last half of steps, and its mean completion length
+    half = lambda xs: xs[len(xs) // 2:] or xs  # noqa: E731
+    reward_last = [statistics.mean(half(r["reward"])) for r in runs]
+    completion_len = [statistics.mean(r["gen_tokens"]) / r["rows"] for r in runs]
+    return {**parts, "reward_last_half": statistics.median(reward_last), "reward_first": statistics.median(
+                r["reward"][0] for r in runs), "completion_len": statistics.median(completion_len),
+            "step_s": statistics.median(per_proc), "step_s_runs": per_proc, "gen_tokens": statistics.median(gen),
             "wall": statistics.median(r["wall"] for r in runs), "loads": [r["load"] for r in runs]}
 
 
@@ -315,10 +325,10 @@ def main() -> None:
                 load = loadavg()
                 if side == "trl":
                     r = run_trl(work, model_dir, shape, args.steps, threads, args.trl_omp_default, args.trl_heap_tuned)
-                    trl_runs.append(r | {"load": load})
+                    trl_runs.append(r | {"load": load, "rows": P * G})
                 else:
                     r = run_rl(work, model_dir, shape, args.steps, args.rl_extra, threads)
-                    rl_runs.append(r | {"load": load})
+                    rl_runs.append(r | {"load": load, "rows": P * G})
                 print(f"  {shape} rep {rep} {side:3s}: median step {statistics.median(r['step_s'][args.warmup:]):.3f} s "
                       f"(process {r['wall']:.1f} s, load {load:.1f})", flush=True)
             peaks.append(matmul_peak_flops(threads))
@@ -352,6 +362,9 @@ def main() -> None:
               f"{x['rl_vs_bound']:7.2f}x {x['trl_vs_bound']:8.2f}x {min(loads):5.1f}-{max(loads):<5.1f}")
         rates = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in x["matmul_peak_by_library"].items() if k != "best")
         print(f"        fp32 matmul peak (GFLOP/s, 1024^3): {rates}; the bound uses the best")
+        print(f"        learnt: reward first step -> mean of the last half, TRL {x['trl']['reward_first']:.3f} -> "
+              f"{x['trl']['reward_last_half']:.3f}, rl {x['rl']['reward_first']:.3f} -> {x['rl']['reward_last_half']:.3f}; "
+              f"completion length TRL {x['trl']['completion_len']:.1f}, rl {x['rl']['completion_len']:.1f} tokens")
         print(f"        rl: rollout {x['rl'].get('rollout_s', 0):.3f} s + update {x['rl'].get('update_s', 0):.3f} s "
               f"per step; process wall TRL {x['trl']['wall']:.1f} s, rl {x['rl']['wall']:.1f} s")
     if args.json:
