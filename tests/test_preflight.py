@@ -403,3 +403,18 @@ def test_a_pretrained_model_does_not_silently_train_at_the_tiny_models_learning_
     assert "optim.lr=0.005 is the tiny built-in model's default" in pretrained_lr_note(cfg, 135_000_000)
     assert pretrained_lr_note(cfg, exact) == ""  # a tiny random-init HF model: 5e-3 is right
     assert pretrained_lr_note(load_run_config([f"model.path={d}", "optim.lr=1e-6"]).config, 135_000_000) == ""
+
+
+def test_a_length_normalised_loss_gets_a_note_when_responses_end_at_eos():
+    """loss_agg_mode=seq-mean-token-mean weighs a token by 1/length of its response, which pushes
+    EOS down hardest on short low-reward responses (issue 39): the run is told before it starts.
+    Fixed-length responses (ignore_eos) and the default token-mean get no note."""
+    from engine.config.load import load_run_config
+    from engine.trainer.preflight import length_normalised_loss_note
+
+    note = length_normalised_loss_note(load_run_config(["algorithm.loss_agg_mode=seq-mean-token-mean"]).config)
+    assert "1/length" in note and "token-mean, the default" in note
+    assert length_normalised_loss_note(load_run_config([]).config) == ""
+    assert length_normalised_loss_note(load_run_config(["algorithm.loss_agg_mode=seq-mean-token-sum"]).config) == ""
+    assert length_normalised_loss_note(load_run_config(["algorithm.loss_agg_mode=seq-mean-token-mean",
+                                                        "rollout.ignore_eos=true"]).config) == ""

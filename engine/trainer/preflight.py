@@ -230,6 +230,20 @@ def pretrained_lr_note(cfg: RunConfig, params: int | None) -> str:
             f"optim.lr=1e-6.")
 
 
+def length_normalised_loss_note(cfg: RunConfig) -> str:
+    """A warning for ``loss_agg_mode=seq-mean-token-mean`` when responses end at EOS: each token then
+    weighs 1/length of its response, so a short low-reward response (an empty one scores the least
+    of its group) pushes EOS down up to max_new_tokens times harder than a long one is pushed, and
+    a run can stop ending its responses for good (issue 39, docs/algorithms.md "Learning to stop":
+    2 of 6 seeds never stopped, where token-mean stopped in 6 of 6)."""
+    if cfg.algorithm.loss_agg_mode != "seq-mean-token-mean" or cfg.rollout.ignore_eos:
+        return ""
+    return ("algorithm.loss_agg_mode=seq-mean-token-mean weighs each token by 1/length of its response: short, "
+            "low-reward responses push EOS down hardest, and runs can stop ending their responses for good (2 of 6 "
+            "seeds in docs/algorithms.md, 'Learning to stop'). token-mean, the default, weighs every token the same "
+            "(TRL's default loss, DAPO's); seq-mean-token-sum is Dr. GRPO's.")
+
+
 RANK_BASE_BYTES = 400 * 2**20  # one rank's (and the driver's) host memory before any weight: Python, torch,
 # transformers, Ray's worker (measured: 420-550 MiB RSS for a rank of the embedded default job)
 
@@ -355,6 +369,9 @@ def preflight(cfg: RunConfig, *, run_dir: Path | None = None, resume=None,
     if env_refs:
         report.notes.append(f"{len(env_refs)} value(s) read from the environment ({', '.join(sorted(env_refs))}): "
                             f"saved as written (e.g. ${{oc.env:NAME}}), never resolved.")
+    loss_note = length_normalised_loss_note(cfg)
+    if loss_note:
+        report.notes.append(loss_note)
     extras_ok = _record(report, "extras", lambda: check_extras(cfg))
     _record(report, "device", lambda: _check_device(cfg))
     reward_ok = _record(report, "reward function", lambda: check_reward(cfg, resume is not None))
