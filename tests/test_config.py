@@ -85,3 +85,34 @@ def test_generated_files_match_schema():
     the dataclasses; this fails when someone edits one without the other."""
     r = subprocess.run([sys.executable, "-m", "engine.config.generate", "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("overrides,engine,named", [
+    (["engine=megatron"], "fsdp", ("--engine fsdp", "engine=megatron")),
+    (["task=sort", "task=add"], None, ("task=sort", "task=add")),
+    (["algorithm=grpo", "algorithm=ppo"], None, ("algorithm=grpo", "algorithm=ppo")),
+])
+def test_a_config_group_chosen_twice_differently_is_refused_naming_both(overrides, engine, named):
+    """`--engine fsdp engine=megatron` ran fsdp silently and overrides.yaml recorded one of the two
+    (issue 42): the same group chosen twice with different values is an error naming both."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_run_config(overrides, engine=engine)
+    assert all(f"`{n}`" in e.value.message for n in named), e.value.message
+    assert load_run_config(["engine=fsdp"], engine="fsdp").config.engine.name == "fsdp"  # the same twice is fine
+
+
+def test_dataset_keys_with_a_built_in_task_are_refused():
+    """`task.path=prompts.jsonl` without `task=dataset` trained the built-in echo task and ignored the
+    file (issue 42): a dataset-only key given to a built-in task is an error saying which task to pick."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    for o in ("task.path=prompts.jsonl", "task.prompt_key=question", "task.val_split=test"):
+        with pytest.raises(ConfigError, match="task=dataset") as e:
+            load_run_config([o])
+        assert f"`{o}`" in e.value.message
+    with pytest.raises(ConfigError, match="built-in `sort`"):
+        load_run_config(["task=sort", "task.path=prompts.jsonl"])

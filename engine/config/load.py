@@ -126,8 +126,47 @@ def compose_dict(overrides: list[str], with_env_refs: bool = False):
     return data
 
 
+def check_group_choices(overrides: list[str], engine: str | None = None) -> None:
+    """A config group chosen twice with different values is an error naming both (Hydra would
+    keep one silently: `--engine fsdp engine=megatron` ran fsdp, and overrides.yaml recorded one)."""
+    seen: dict[str, tuple[str, str]] = {}  # group -> (value, as the user wrote it)
+    if engine is not None:
+        seen["engine"] = (engine, f"--engine {engine}")
+    for o in overrides:
+        _prefix, key, value = parse_override(o)
+        if key not in CONFIG_GROUPS:
+            continue
+        value = value.strip()
+        if key in seen and seen[key][0] != value:
+            raise ConfigError(f"`{seen[key][1]}` and `{o}` both choose the {key}, and differ. Keep the one you "
+                              f"mean and drop the other.", title="conflicting overrides")
+        seen.setdefault(key, (value, o))
+
+
+def check_task_keys(cfg: RunConfig, overrides: list[str]) -> None:
+    """Dataset keys given to a built-in task are an error: the built-in tasks generate their prompts,
+    so `task.path=prompts.jsonl` without `task=dataset` (or jsonl/parquet) trained the built-in task
+    and ignored the file."""
+    from engine.tasks.registry import BUILTIN_TASKS
+
+    if cfg.task.name not in BUILTIN_TASKS:
+        return
+    given = [o for o in overrides if parse_override(o)[1] in DATASET_ONLY_TASK_KEYS]
+    if given:
+        raise ConfigError(f"`{given[0]}` is a dataset key, but the task is the built-in `{cfg.task.name}`, which "
+                          f"generates its own prompts and would ignore it. For your own data add `task=dataset` "
+                          f"(or task=jsonl / task=parquet); for the built-in task drop `{given[0].split('=')[0]}`.",
+                          title="conflicting overrides")
+
+
+# task keys that only a dataset task reads (a built-in task generates its prompts)
+DATASET_ONLY_TASK_KEYS = ("task.path", "task.format", "task.subset", "task.split", "task.val_split",
+                          "task.prompt_key", "task.answer_key")
+
+
 def load_run_config(overrides: list[str] | None = None, engine: str | None = None) -> LoadedConfig:
     overrides = list(overrides or [])
+    check_group_choices(overrides, engine)
     if engine is not None:
         if engine not in group_options("engine"):
             opts = group_options("engine")
@@ -137,6 +176,7 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
     precheck_overrides(overrides, engine)
     data, env_refs = compose_dict(overrides, with_env_refs=True)
     cfg = build_run_config(data)
+    check_task_keys(cfg, overrides)
     groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
     defaults = _defaults(groups["engine"])
     changed = {k: (a, env_refs[k] if k in env_refs else b) for k, (a, b) in diff_configs(defaults, cfg).items()}
