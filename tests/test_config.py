@@ -116,3 +116,17 @@ def test_dataset_keys_with_a_built_in_task_are_refused():
         assert f"`{o}`" in e.value.message
     with pytest.raises(ConfigError, match="built-in `sort`"):
         load_run_config(["task=sort", "task.path=prompts.jsonl"])
+
+
+@pytest.mark.parametrize("override", ["optim.lr=1e-3,5e-3", "optim.lr=range(1,3)", "trainer.seed=choice(0,1)"])
+def test_hydra_sweep_syntax_says_what_rl_supports(override):
+    """Hydra answers a sweep with "add --multirun", which rl does not have (issue 42): the error says
+    that rl runs one job, how to run one per value, and how to write a list or a quoted string."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_run_config([override])
+    msg = e.value.message
+    assert "Hydra sweep" in msg and "one run per value" in msg and "--multirun" not in msg, msg
+    assert load_run_config(["optim.betas=[0.9,0.999]"]).config.optim.betas == [0.9, 0.999]

@@ -85,6 +85,7 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
                     f"Options: {', '.join(opts)}.", title="unknown config option")
             continue
         check_key(key, engine_name)
+        check_not_a_sweep(o, key, value)
         if key == "engine.name" and value.strip() != engine_name:
             # setting the name alone kept the other engine's keys, and the error named one of them
             # (`engine.reshard_after_forward` belongs to another engine), not the override given
@@ -94,6 +95,23 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
             raise ConfigError(f"`{o}`: the engine is a config group, chosen with {fix}, which also picks that "
                               f"engine's keys. Drop `engine.name=`.", title="invalid override")
     return engine_name
+
+
+def check_not_a_sweep(override: str, key: str, value: str) -> None:
+    """Hydra's sweep syntax (``a,b``, ``range()``, ``choice()``, ``glob()``) asks for several runs,
+    which Hydra's answer ("add --multirun") does not give here: say what rl does instead."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        sweep = OverridesParser.create().parse_overrides([override])[0].is_sweep_override()
+    except Exception:  # a syntax error: Hydra's own message, at compose time, says where
+        return
+    if sweep:
+        raise ConfigError(
+            f"`{override}` is a Hydra sweep (one run per value), and `rl train` runs one job: start one run per "
+            f"value, each with its own checkpoint.dir (e.g. `for v in ...; do rl train {key}=$v "
+            f"checkpoint.dir=ckpt-$v; done`). A list value is written `{key}=[a,b]`; a string with a comma is "
+            f"quoted: `{key}='{value}'`.", title="invalid override")
 
 
 def compose_dict(overrides: list[str], with_env_refs: bool = False):
