@@ -100,3 +100,34 @@ def test_ray_address_in_environment_is_honoured_and_local_overrides_it(head_clus
     assert r.returncode == 0, r.stderr[-3000:]
     assert "private local Ray" in r.stdout + r.stderr
     assert len(_sessions(tmp) - before) == 1
+
+
+def test_joining_an_address_where_nothing_listens_is_bounded():
+    """`trainer.ray_address=127.0.0.1:<port>` with nothing there hung without limit in ray.init
+    (issue 42): the connection is tried until trainer.ray_connect_timeout_s, then a UserError names
+    the address and what was tried. An address that accepts connections passes at once, and a local
+    run or `auto` tries nothing. Loopback only."""
+    import socket
+    import time
+
+    from engine.errors import UserError
+    from engine.trainer.ray_cluster import wait_reachable
+
+    with socket.socket() as s:  # a free port, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        wait_reachable(RayTarget(f"127.0.0.1:{port}", "trainer.ray_address"), timeout_s=2.0, poll_s=0.5)
+    took = time.monotonic() - t0
+    assert 1.5 <= took < 10, took
+    msg = e.value.message
+    assert f"127.0.0.1:{port}" in msg and "attempt" in msg and "trainer.ray_connect_timeout_s" in msg, msg
+    with socket.socket() as srv:  # something listening: no wait
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        t0 = time.monotonic()
+        wait_reachable(RayTarget(f"ray://127.0.0.1:{srv.getsockname()[1]}", "RAY_ADDRESS"), timeout_s=5.0)
+        assert time.monotonic() - t0 < 2
+    wait_reachable(RayTarget("", "local"), timeout_s=0.1)
+    wait_reachable(RayTarget("auto", "trainer.ray_address"), timeout_s=0.1)

@@ -42,6 +42,9 @@ class TrainerConfig:
     placement: str = _f("PACK", "Ray placement-group strategy for the per-rank bundles (nnodes=0)",
                         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     ray_timeout_s: float = _f(600.0, "seconds any single Ray call may take before the run is aborted", min=1.0)
+    ray_connect_timeout_s: float = _f(60.0, "joining a cluster (trainer.ray_address / RAY_ADDRESS host:port): seconds "
+                                            "to wait for its address to accept a connection before the run stops",
+                                      min=1.0)
     threads_per_rank: int = _f(0, "torch intra-op threads per rank; 0 = CPU cores divided by nprocs", min=0)
     adapt_threads: bool = _f(False, "with threads_per_rank=0, drop to fewer threads before each rollout and update "
                                     "when other tasks hold the cores (steadier on a shared machine); off by default "

@@ -99,11 +99,47 @@ def _set_local_only(local: bool) -> None:
         constants.ENABLE_RAY_CLUSTER = not local
 
 
+def wait_reachable(target: RayTarget, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Before joining a cluster at ``host:port`` (or ``ray://host:port``): wait until that address
+    accepts a TCP connection, at most ``timeout_s`` (trainer.ray_connect_timeout_s); then a
+    UserError naming the address and what was tried. ``ray.init`` itself has no bound: with nothing
+    listening it retried without end. ``auto`` (an address file on this machine) is left to Ray."""
+    import socket
+
+    address = target.address.split("://")[-1]
+    if target.local or target.address == "auto" or ":" not in address:
+        return
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        port_n = int(port)
+    except ValueError:
+        return  # not host:port: Ray's own message says what is wrong with it
+    deadline = time.monotonic() + timeout_s
+    tries, last = 0, None
+    while True:
+        tries += 1
+        try:
+            with socket.create_connection((host, port_n), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() + poll_s >= deadline:
+            break
+        time.sleep(poll_s)
+    raise UserError(f"Could not reach the {target.describe()}: {tries} TCP connection attempt(s) to {host}:{port_n} "
+                    f"over {timeout_s:g} s failed ({getattr(last, 'strerror', None) or last}). Check that the cluster "
+                    f"is running there (`ray status --address {target.address}`) and reachable from this machine, "
+                    f"raise trainer.ray_connect_timeout_s if it is still starting, or leave trainer.ray_address empty "
+                    f"(and RAY_ADDRESS unset) for a local run.", title="ray cluster")
+
+
 @contextmanager
-def ray_cluster(address: str, num_cpus: int):
-    """Yield ``(ray, target)`` with Ray started (local) or joined (cluster); on exit, shut down
-    what this call started."""
+def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
+    """Yield ``(ray, target)`` with Ray started (local) or joined (cluster, its address reachable
+    within ``connect_timeout_s``); on exit, shut down what this call started."""
     target = resolve_address(address)
+    wait_reachable(target, connect_timeout_s)
     _set_local_only(target.loopback)
     if target.local:  # the private Ray: no token auth (a joined cluster's auth is left to the user's env)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")

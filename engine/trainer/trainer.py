@@ -72,7 +72,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
     try:
         if resume is None:
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
-        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1) as (_, ray_target):
+        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1,
+                         connect_timeout_s=cfg.trainer.ray_connect_timeout_s) as (_, ray_target):
             with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
                 workers = WorkerGroup(cfg, run_dir)  # launched: each rank starts and imports torch
                 try:
