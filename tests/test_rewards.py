@@ -5,6 +5,8 @@ as configured; built-in verifiable rewards."""
 from __future__ import annotations
 
 
+import json
+
 import pytest
 
 from engine.config.schema import TaskConfig
@@ -174,8 +176,8 @@ def test_correct_fn_gives_accuracy(mod):
 def test_config_errors(mod):
     with pytest.raises(ConfigError, match=r"2 value\(s\) for 1 reward function"):
         user_reward_specs(TaskConfig(name="dataset", reward_fns=[f"{mod}:length"], reward_weights=[1, 2]))
-    with pytest.raises(ConfigError, match=r"looks batched.*but is called per sample.*reward_batched=true"):
-        user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:trl_batched"))
+    # a TRL-shaped function (prompts, completions, ...) is batched by its signature, flag or not (issue 42)
+    assert user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:trl_batched"))[0].batched
     with pytest.raises(ConfigError, match=r"looks per-sample.*drop task.reward_batched=true"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn=f"{mod}:length", reward_batched=True))
     with pytest.raises(ConfigError, match=r"no built-in reward `math_boxd`\. Did you mean `rl:math_boxed`"):
@@ -247,3 +249,88 @@ def test_closing_the_pool_never_waits_on_a_hung_call(mod):
     assert procs and not any(p.is_alive() for p in procs)
     t.join(timeout=30)
     assert errors and "the reward worker process died" in errors[0]  # the waiting scorer is told, not left hanging
+
+
+# The anchors' own documented reward functions, written out verbatim (issue 42):
+# - TRL, GRPOTrainer docs, "Using a custom reward function", Example 1 "Reward longer completions"
+#   (standard format) and Example 2 "Reward completions with specific format" (conversational):
+#   https://huggingface.co/docs/trl/main/en/grpo_trainer#using-a-custom-reward-function
+# - verl, "Implement Reward Function for Dataset", customized reward function:
+#   https://verl.readthedocs.io/en/latest/preparation/reward_function.html
+ANCHOR_REWARDS = '''
+import re
+
+
+def reward_func(completions, **kwargs):
+    """Reward function that gives higher scores to longer completions."""
+    return [float(len(completion)) for completion in completions]
+
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def my_reward_fn(data_source, solution_str, ground_truth, extra_info=None):
+  return len(solution_str)/100
+
+
+def verl_dict_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == ground_truth), "acc": solution_str.strip() == ground_truth,
+            "pred": solution_str}
+
+
+async def async_len(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.fixture
+def anchors(tmp_path, monkeypatch):
+    (tmp_path / "anchor_rewards.py").write_text(ANCHOR_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return "anchor_rewards"
+
+
+@pytest.mark.parametrize("batched_flag", [False, True])
+def test_trl_documented_reward_functions_run_unchanged(tmp_path, anchors, batched_flag):
+    """TRL's documented `def f(completions, **kwargs)` functions are called as TRL calls them (by
+    keyword, whole batches), whether or not task.reward_batched is set: their signature says so.
+    Before: exit 2 advising to drop reward_batched (with it) or a per-sample call (without)."""
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n" for i in range(4)))
+    task = make_dataset_task(TaskConfig(name="dataset", path=str(text), reward_fn=f"{anchors}:reward_func",
+                                        reward_batched=batched_flag, num_val=0), seed=0)
+    responses = ["x" * (i + 1) for i in range(4)]
+    assert runner(task.reward_specs).score(samples_of(task.train, responses)).total == [1.0, 2.0, 3.0, 4.0]
+    chat = make_dataset_task(TaskConfig(name="dataset", path=str(write_trl_jsonl(tmp_path / "c.jsonl", 4)),
+                                        reward_fn=f"{anchors}:format_reward_func", reward_batched=batched_flag,
+                                        num_val=0), seed=0)
+    responses = ["<think>hm</think><answer>4</answer>", "4", "<think></think><answer>x</answer>", "<answer>4</answer>"]
+    assert runner(chat.reward_specs).score(samples_of(chat.train, responses)).total == [1.0, 0.0, 1.0, 0.0]
+    asyncs = make_dataset_task(TaskConfig(name="dataset", path=str(text), reward_fn=f"{anchors}:async_len",
+                                          num_val=0), seed=0)
+    assert runner(asyncs.reward_specs).score(samples_of(asyncs.train, ["ab", "c", "", "dddd"])).total == \
+        [2.0, 1.0, 0.0, 4.0]
+
+
+def test_verl_documented_compute_score_runs_unchanged(tmp_path, anchors):
+    """verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None)` is called by
+    keyword with the row's data_source, the response, reward_model.ground_truth and extra_info, and
+    a dict return gives its `score` (and `acc` as correctness). Before: preflight ok, then a
+    TypeError at step 1 ("got multiple values for argument 'data_source'")."""
+    data = write_verl_parquet(tmp_path / "v.parquet", 4)
+    task = make_dataset_task(TaskConfig(name="dataset", path=str(data), reward_fn=f"{anchors}:my_reward_fn",
+                                        num_val=0), seed=0)
+    responses = ["x" * 10, "x" * 20, "", "x" * 5]
+    assert runner(task.reward_specs).score(samples_of(task.train, responses)).total == \
+        pytest.approx([0.1, 0.2, 0.0, 0.05])
+    task = make_dataset_task(TaskConfig(name="dataset", path=str(data), reward_fn=f"{anchors}:verl_dict_score",
+                                        num_val=0), seed=0)
+    responses = [e.answer if i % 2 else "wrong" for i, e in enumerate(task.train)]
+    r = runner(task.reward_specs).score(samples_of(task.train, responses))
+    assert r.total == [0.0, 1.0, 0.0, 1.0] and r.correct == [False, True, False, True]

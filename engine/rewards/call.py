@@ -1,9 +1,13 @@
 """How one reward call is made and what it may return. Imported by spawned reward workers:
 keep it free of torch and of the trainer.
 
-Conventions (docs/data.md):
+Conventions (docs/data.md), told apart by the function's parameter names:
   per sample  fn(prompt, response, answer, **row) -> float | (float, bool) | None
-  batched     fn(prompts, completions, **columns) -> list of those   (TRL's convention)
+  verl        fn(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": ..}
+              (verl's ``compute_score``: a function that names ``solution_str``; called by keyword)
+  batched     fn(prompts, completions, **columns) -> list of those   (TRL's convention: a function
+              that names ``prompts`` or ``completions``, or takes only ``**kwargs``, is called by
+              keyword, as TRL calls it; ``async def`` functions are awaited)
 
 ``row`` holds every dataset column except the prompt and the answer (verl's nested
 ``reward_model``, ``data_source`` and ``extra_info`` included, plus ``ground_truth`` taken from
@@ -62,9 +66,47 @@ def _accepted(fn: Callable, kwargs: dict) -> dict:
     return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+TRL_ARGS = ("prompts", "completions")
+
+
+def _names(fn: Callable) -> tuple[set, bool]:
+    """(the parameter names ``fn`` takes, whether it takes ``**kwargs``); (set(), True) when unknown."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set(), True
+    return {p.name for p in params}, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def is_verl_style(fn: Callable) -> bool:
+    """verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``."""
+    return "solution_str" in _names(fn)[0]
+
+
+def is_keyword_batched(fn: Callable) -> bool:
+    """TRL's reward function: it names prompts/completions, or takes only ``**kwargs``."""
+    names, var_kw = _names(fn)
+    return bool(names & set(TRL_ARGS)) or (var_kw and names <= {"kwargs", "kw", "kwds"} and bool(names))
+
+
+def _await(value):
+    if inspect.isawaitable(value):
+        import asyncio
+
+        async def wait():
+            return await value
+        return asyncio.run(wait())
+    return value
+
+
 def call_per_sample(fn: Callable, s: Sample):
+    if is_verl_style(fn):  # verl passes every argument by keyword
+        kwargs = {"data_source": s.row.get("data_source"), "solution_str": s.response, "ground_truth": s.answer,
+                  "extra_info": s.row.get("extra_info")}
+        return _await(fn(**_accepted(fn, kwargs)))
     row = {k: v for k, v in s.row.items() if k not in ("prompt", "response", "answer")}
-    return fn(s.prompt, s.response, s.answer, **_accepted(fn, row))
+    return _await(fn(s.prompt, s.response, s.answer, **_accepted(fn, row)))
 
 
 def completion_of(s: Sample):
@@ -77,7 +119,10 @@ def call_batched(fn: Callable, samples: list[Sample]) -> list:
         keys.update(dict.fromkeys(s.row))
     columns = {k: [s.answer if k == "answer" else s.row.get(k) for s in samples] for k in keys
                if k not in ("prompts", "completions")}
-    return fn([s.prompt for s in samples], [completion_of(s) for s in samples], **_accepted(fn, columns))
+    prompts, completions = [s.prompt for s in samples], [completion_of(s) for s in samples]
+    if is_keyword_batched(fn):  # as TRL calls it: every argument by keyword
+        return _await(fn(**_accepted(fn, {"prompts": prompts, "completions": completions, **columns})))
+    return _await(fn(prompts, completions, **_accepted(fn, columns)))
 
 
 class BadValue(Exception):
@@ -85,8 +130,15 @@ class BadValue(Exception):
 
 
 def as_score(value) -> tuple[float, Optional[bool]]:
-    """A returned value -> (score, correct or None). Raises BadValue for anything else."""
+    """A returned value -> (score, correct or None). Raises BadValue for anything else. A dict is
+    verl's: ``{"score": float, "acc": bool, ...}`` (``acc``, when present, is the correctness)."""
     correct = None
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise BadValue(f"returned a dict without a 'score' key ({', '.join(map(str, list(value)[:6]))}); "
+                           f"return a float, (score, correct), or verl's {{'score': ...}}")
+        acc = value.get("acc")
+        value = (value["score"], bool(acc)) if isinstance(acc, (bool, numbers.Real)) else value["score"]
     if isinstance(value, tuple):
         if len(value) != 2:
             raise BadValue(f"returned a tuple of {len(value)} values; return a float or (score, correct)")

@@ -191,9 +191,13 @@ def user_reward_specs(task_cfg) -> list[RewardFnSpec]:
     if task_cfg.correct_fn:
         specs.append(RewardFnSpec(task_cfg.correct_fn, target_of(task_cfg.correct_fn, "task.correct_fn"), 0.0,
                                   False, role="correct"))
+    checked = []
     for s in specs:
-        check_signature(s, import_target(s.target, s.name, "task.correct_fn" if s.role == "correct" else key))
-    return specs
+        fn = import_target(s.target, s.name, "task.correct_fn" if s.role == "correct" else key)
+        s = with_detected_convention(s, fn) if s.role == "reward" else s
+        check_signature(s, fn)
+        checked.append(s)
+    return checked
 
 
 def spec_for(fn: Callable, role: str = "reward") -> RewardFnSpec:
@@ -204,6 +208,18 @@ def spec_for(fn: Callable, role: str = "reward") -> RewardFnSpec:
 
 PER_SAMPLE_ARGS = ("prompt", "response", "answer")
 BATCHED_ARGS = ("prompts", "completions")
+
+
+def with_detected_convention(spec: RewardFnSpec, fn: Callable) -> RewardFnSpec:
+    """TRL's reward functions (``def f(completions, **kwargs)``, ``def f(prompts, completions, ...)``)
+    are batched whether or not task.reward_batched says so: their parameter names say it."""
+    from dataclasses import replace
+
+    from engine.rewards.call import is_keyword_batched, is_verl_style
+
+    if not spec.batched and is_keyword_batched(fn) and not is_verl_style(fn):
+        return replace(spec, batched=True)
+    return spec
 
 
 def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]] = None) -> None:
@@ -217,6 +233,23 @@ def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]
     except (TypeError, ValueError):
         return  # builtins without a signature: nothing to check
     params = list(sig.parameters.values())
+    from engine.rewards.call import TRL_ARGS, VERL_ARGS, is_keyword_batched, is_verl_style
+
+    keyword_names = None  # the names a keyword-called function may take (verl's and TRL's conventions)
+    if not spec.batched and is_verl_style(fn):
+        keyword_names, convention = set(VERL_ARGS), "verl: compute_score(data_source, solution_str, ground_truth, extra_info)"
+    elif spec.batched and is_keyword_batched(fn):
+        keyword_names, convention = set(TRL_ARGS) | {"answer"}, "TRL: fn(prompts=, completions=, **columns)"
+    if keyword_names is not None:
+        required = [p.name for p in params if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+        known = keyword_names | (set(columns) if columns is not None else set())
+        unknown = [n for n in required if n not in known]
+        if unknown and columns is not None:
+            raise ConfigError(f"reward function `{spec.name}{sig}` ({convention}) needs {', '.join(unknown)}, which "
+                              f"the call does not pass (dataset columns: {', '.join(sorted(columns or [])) or 'none'}). "
+                              f"Give the parameter a default, or add the column.", title="invalid reward function")
+        return
     base = BATCHED_ARGS if spec.batched else PER_SAMPLE_ARGS
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
