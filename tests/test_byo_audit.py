@@ -344,17 +344,34 @@ def test_batched_reward_may_return_a_numpy_array(tmp_path, monkeypatch):
     assert "OverflowError" not in e.value.message
 
 
-def test_reward_given_as_a_file_path_says_the_module_name_to_use(tmp_path, monkeypatch):
+def test_reward_given_as_a_file_path_is_loaded_from_that_file(tmp_path, monkeypatch):
     """verl names its reward by file (custom_reward_function.path): `task.reward_fn=./rewards.py:score`
-    was a TypeError traceback ("the 'package' argument is required"); `/abs/rewards.py:score`
-    said "No module named '/abs/rewards'"."""
+    was a TypeError traceback, then a refusal naming the module to use instead (issue 42: accept it).
+    A file path loads that file (relative to the current directory, absolute, or in a subdirectory,
+    whose own imports resolve beside it), in the driver and in spawned reward workers alike; two
+    files of the same name stay apart; a missing file is refused naming it."""
+    from engine.rewards.compute import RewardRunner
+    from engine.rewards.call import Sample
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()
-    for spec, use in (("./rewards.py:score", "`task.reward_fn=rewards:score`"),
-                      (f"{tmp_path}/rewards.py:score", "`task.reward_fn=rewards:score`"),
-                      ("sub/rewards.py:score", "`PYTHONPATH=sub rl ... task.reward_fn=rewards:score`")):
-        with pytest.raises(ConfigError, match=rf"names a file; .*use {use}"):
-            user_reward_specs(TaskConfig(name="dataset", reward_fn=spec))
+    (tmp_path / "rewards.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    (tmp_path / "sub" / "helper.py").write_text("BONUS = 2.0\n")
+    (tmp_path / "sub" / "rewards.py").write_text("from helper import BONUS\n\n"
+                                                "def score(prompt, response, answer):\n    return BONUS\n")
+    samples = [Sample("p", "r", "a")]
+    for spec, want in (("./rewards.py:score", 1.0), (f"{tmp_path}/rewards.py:score", 1.0),
+                       ("sub/rewards.py:score", 2.0)):
+        specs = user_reward_specs(TaskConfig(name="dataset", reward_fn=spec))
+        assert specs[0].target.startswith(str(tmp_path)), specs[0].target
+        assert RewardRunner(specs).score(samples).total == [want]
+        pool = RewardRunner(specs, workers=1, timeout_s=60)
+        try:
+            assert pool.score(samples).total == [want]
+        finally:
+            pool.close()
+    with pytest.raises(ConfigError, match=r"names the file .*nope\.py, which does not exist"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn="./nope.py:score"))
 
 
 def test_export_never_takes_another_directorys_model_when_the_trained_one_is_gone(tmp_path, llama_dir,

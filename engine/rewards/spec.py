@@ -54,26 +54,57 @@ def target_of(spec: str, key: str) -> str:
                           f"name a built-in (`rl:math_boxed`, `rl:gsm8k`, `rl:exact_match`, ...).",
                           title="invalid config value")
     module = spec.rsplit(":", 1)[0]
-    if module.endswith(".py") or "/" in module or "\\" in module:  # a file path (verl's custom_reward_function.path)
+    if is_file_module(module):  # a file path (verl's custom_reward_function.path)
         file = Path(os.path.expanduser(module))
-        fn = spec.rsplit(":", 1)[1]
-        name = file.name[:-3] if file.name.endswith(".py") else file.name
-        here = file.parent.resolve() == Path.cwd().resolve() if file.parent != Path("") else True
-        how = (f"`{key}={name}:{fn}`" if here else
-               f"`PYTHONPATH={file.parent} rl ... {key}={name}:{fn}` (or run rl from {file.parent})")
-        raise ConfigError(f"`{key}={spec}` names a file; rewards are named as an importable `module:function`, "
-                          f"with the current directory importable: use {how}.", title="invalid config value")
+        if not file.is_file():
+            raise ConfigError(f"`{key}={spec}` names the file {file}, which does not exist"
+                              f"{' (from ' + os.getcwd() + ')' if not file.is_absolute() else ''}. Give the path of a "
+                              f"Python file and the function in it (`path/to/rewards.py:score`), or an importable "
+                              f"`module:function`.", title="invalid config value")
+        return f"{file.resolve()}:{spec.rsplit(':', 1)[1]}"
     return spec
 
 
+def is_file_module(module: str) -> bool:
+    """``path/to/rewards.py`` (or any path with a separator), not a dotted module name."""
+    return module.endswith(".py") or "/" in module or "\\" in module
+
+
+def _import_file(path: str):
+    """The module in the Python file ``path``, loaded once per process under a name derived from
+    the path (so two files called rewards.py stay apart), with its directory importable for its
+    own imports."""
+    import hashlib
+    import importlib.util
+
+    name = "rl_reward_file_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = str(Path(path).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def import_target(target: str, name: Optional[str] = None, key: str = "task.reward_fn") -> Callable:
-    """Import ``module:qualname``; the current directory is importable (as in TRL scripts)."""
+    """Import ``module:qualname`` (or ``/path/to/file.py:qualname``); the current directory is
+    importable (as in TRL scripts)."""
     shown = name or target
-    mod_name, attr = target.split(":", 1)
+    mod_name, attr = target.rsplit(":", 1) if is_file_module(target.rsplit(":", 1)[0]) else target.split(":", 1)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        obj = importlib.import_module(mod_name)
+        obj = _import_file(mod_name) if is_file_module(mod_name) else importlib.import_module(mod_name)
     except ImportError as e:
         if e.name and e.name != mod_name and not mod_name.startswith(e.name + "."):  # found; what it imports is not
             raise ConfigError(f"`{key}={shown}`: importing `{mod_name}` failed: it imports `{e.name}`, which is not "
