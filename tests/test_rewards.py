@@ -334,3 +334,26 @@ def test_verl_documented_compute_score_runs_unchanged(tmp_path, anchors):
     responses = [e.answer if i % 2 else "wrong" for i, e in enumerate(task.train)]
     r = runner(task.reward_specs).score(samples_of(task.train, responses))
     assert r.total == [0.0, 1.0, 0.0, 1.0] and r.correct == [False, True, False, True]
+
+
+# (response's boxed answer, reference): equal as mathematics, written differently
+EQUIVALENT = [(r"\frac{1}{2}", "0.5"), (r"2\sqrt{2}", r"\sqrt{8}"), ("1/2", r"\frac{1}{2}"), ("0.50", "1/2"),
+              (r"\frac{6}{4}", r"\frac{3}{2}"), (r"\dfrac{1}{3}", r"\frac{1}{3}"), ("3.0", "3"),
+              (r"x^2+2x+1", r"(x+1)^2")]
+DIFFERENT = [("0.51", "1/2"), (r"\sqrt{2}", r"\sqrt{8}"), ("2", "3"), (r"x^2+1", r"(x+1)^2")]
+
+
+def test_math_answers_are_compared_as_mathematics():
+    """rl:math_boxed compared normalised strings and numbers: 2 of these 8 equal answers were right
+    (issue 42). With math-verify (the `data` extra), rl:math_boxed and rl:math_verify score all 8
+    right and the 4 different ones wrong; rl:math_verify also reads an unboxed final answer."""
+    pytest.importorskip("math_verify")
+    assert sum(builtin.same_answer(p, a) for p, a in EQUIVALENT) == 2  # the string rule alone
+    for p, a in EQUIVALENT:
+        assert builtin.math_boxed("", rf"so \boxed{{{p}}}.", a) == (1.0, True), (p, a)
+        assert builtin.math_verify("", rf"so \boxed{{{p}}}.", a) == (1.0, True), (p, a)
+    for p, a in DIFFERENT:
+        assert builtin.math_boxed("", rf"\boxed{{{p}}}", a) == (0.0, False), (p, a)
+        assert builtin.math_verify("", rf"\boxed{{{p}}}", a) == (0.0, False), (p, a)
+    assert builtin.math_verify("", "The answer is $\\frac{3}{6}$", "0.5") == (1.0, True)
+    assert builtin.math_boxed("", "0.5", "0.5") == (0.0, False)  # math_boxed still asks for a boxed answer

@@ -1,6 +1,10 @@
 """Built-in verifiable rewards, usable as ``task.reward_fn=rl:<name>``.
 
   rl:math_boxed    the last \\boxed{...} in the response equals the answer   -> (1.0|0.0, correct)
+                   (mathematically, by math-verify, when the `data` extra is installed)
+  rl:math_verify   Hugging Face's math-verify: the response's final answer (boxed, LaTeX or plain)
+                   is mathematically equal to the answer (1/2 = 0.5 = \\frac{1}{2}, 2\\sqrt{2} =
+                   \\sqrt{8}, sets, intervals, ...)                           -> (1.0|0.0, correct)
   rl:gsm8k         the number after the last "####" (else the last number)
                    equals the answer's (a gsm8k answer "... #### 72" works) -> (1.0|0.0, correct)
   rl:exact_match   the stripped response equals the stripped answer        -> (1.0|0.0, correct)
@@ -78,9 +82,42 @@ def _scored(ok: bool) -> tuple[float, bool]:
     return float(ok), ok
 
 
+def math_equal(pred: str, gold: str) -> Optional[bool]:
+    """Whether two answers are mathematically equal by math-verify (parse both, compare symbolically
+    and numerically); None when math-verify is not installed. Its time limits use SIGALRM, which
+    only the main thread may set: elsewhere (a reward thread) they are off."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    limit = {} if main else {"parsing_timeout": None}
+    wrap = lambda t: t if ("$" in t or "\\boxed" in t) else f"${t}$"  # noqa: E731  (plain answers as math)
+    try:
+        g, p = parse(wrap(gold), **limit), parse(wrap(pred), **limit)
+        return bool(g and p and verify(g, p, **({} if main else {"timeout_seconds": None})))
+    except Exception:  # noqa: BLE001 - a parser failure on odd text is "not equal", never a crashed run
+        return False
+
+
+def math_verify(prompt, response: str, answer: str) -> tuple[float, bool]:
+    try:
+        from math_verify import parse, verify  # noqa: F401
+    except ImportError:
+        raise ImportError("rl:math_verify needs the math-verify package: pip install 'rl[data]' "
+                          "(or pip install math-verify)") from None
+    pred = last_boxed(response)
+    return _scored(math_equal(pred if pred is not None else response, last_boxed(answer) or str(answer)) is True)
+
+
 def math_boxed(prompt, response: str, answer: str) -> tuple[float, bool]:
     ref = last_boxed(answer) or answer
-    return _scored(same_answer(last_boxed(response), ref))
+    pred = last_boxed(response)
+    if pred is None:
+        return _scored(False)
+    return _scored(same_answer(pred, ref) or math_equal(pred, ref) is True)
 
 
 def gsm8k(prompt, response: str, answer: str) -> tuple[float, bool]:
@@ -129,4 +166,5 @@ def by_data_source(prompt, response: str, answer: str, data_source=None) -> tupl
     return rule(prompt, response, answer)
 
 
-BUILTINS = {f.__name__: f for f in (math_boxed, gsm8k, exact_match, boxed_format, think_format, by_data_source)}
+BUILTINS = {f.__name__: f for f in (math_boxed, math_verify, gsm8k, exact_match, boxed_format, think_format,
+                                    by_data_source)}
