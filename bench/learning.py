@@ -316,6 +316,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="exit 1 when a threshold fails")
     ap.add_argument("--work", default="/tmp/rl-learning")
     ap.add_argument("--rl-extra", nargs="*", default=[], help="extra `rl train` overrides")
+    ap.add_argument("--smollm2-steps", type=int, default=8, help="steps of the smollm2 job (~20 s each on 2 cores)")
     ap.add_argument("--json", default="")
     ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -388,7 +389,7 @@ def run_smollm2(args, threads: int) -> list[dict]:
     for seed in args.seeds:
         run_dir = Path(tempfile.mkdtemp(prefix="rl-learning-smol-", dir="/tmp"))
         shutil.rmtree(run_dir)
-        steps = min(args.steps, 12)
+        steps = min(args.steps, args.smollm2_steps)
         cmd = [sys.executable, "-m", "rlcli.main", "train", "model=smollm2-135m", "task=arith", "task.num_val=64",
                "data.max_prompt_length=96", "rollout.max_new_tokens=48", "algorithm.rollout_n=4",
                "data.train_batch_size=8", "optim.warmup_steps=0", f"trainer.total_steps={steps}",
@@ -400,16 +401,18 @@ def run_smollm2(args, threads: int) -> list[dict]:
         if proc.returncode != 0:
             raise SystemExit(f"rl train (smollm2) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        vals = [json.loads(x) for x in (run_dir / "validation.jsonl").read_text().splitlines() if x.strip()]
         shutil.rmtree(run_dir, ignore_errors=True)
         train = [r for r in rows if "reward_mean" in r]
-        vals = [r for r in rows if r.get("val_accuracy") is not None]
         run = {"reward": [r["reward_mean"] for r in train], "length": [r["response_len_mean"] for r in train],
                "entropy": [r.get("entropy") for r in train], "step_s": [r["step_time_s"] for r in train],
-               "heldout_acc": vals[-1]["val_accuracy"] if vals else None, "wall": time.perf_counter() - t0}
+               "heldout_acc_before": vals[0].get("accuracy") if vals else None,
+               "heldout_acc": vals[-1].get("accuracy") if vals else None, "wall": time.perf_counter() - t0}
         s = summarise(run, args.stop_len)
         out.append({"job": "smollm2", "tool": "rl", "seed": seed, **s, "series": run})
+        s["heldout_acc_before"] = run["heldout_acc_before"]
         print(f"  smollm2  rl  seed {seed}: reward {s['reward_last10']:.3f}, length {s['length_last10']:.1f}, "
-              f"held-out {s['heldout_acc']}", flush=True)
+              f"held-out {run['heldout_acc_before']} -> {s['heldout_acc']}", flush=True)
     return out
 
 
