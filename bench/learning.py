@@ -239,8 +239,11 @@ def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> 
     """Inside the TRL process: GRPOTrainer on the same job, then the same held-out evaluation."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trl_steps import step_recorder
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     sys.path.insert(0, str(job_dir))
@@ -250,18 +253,6 @@ def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> 
     ds = Dataset.from_list(rows)
     logs, times = [], []
 
-    class Log(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                logs_list.append(dict(logs))
-
-    logs_list = logs
     out_dir = tempfile.mkdtemp(prefix="trl-out-", dir="/tmp")
     model_dir = job_dir.parent / "model"
     args = GRPOConfig(
@@ -274,7 +265,7 @@ def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> 
         seed=seed, disable_tqdm=True, log_completions=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=trl_reward, args=args, train_dataset=ds,
-                          processing_class=tok, callbacks=[Log()])
+                          processing_class=tok, callbacks=[step_recorder(times, logs)])
     try:
         trainer.train()
     finally:

@@ -229,8 +229,11 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
     """Inside the TRL process: GRPOTrainer on the same job; per-step wall times via a callback."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trl_steps import step_recorder
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     sys.path.insert(0, os.getcwd())
@@ -241,18 +244,6 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
     ds = Dataset.from_list([{"prompt": p} for p in prompts])
     times, logs = [], []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                logs_list.append(dict(logs))
-
-    logs_list = logs
     out_dir = tempfile.mkdtemp(prefix="trl-out-", dir="/tmp")  # TRL wants one; nothing is saved there
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=P * G,
@@ -264,7 +255,7 @@ def trl_worker(model_dir: str, shape: str, steps: int, result: str) -> None:
         seed=0, disable_tqdm=True, log_completions=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_reward, args=args, train_dataset=ds,
-                          processing_class=tok, callbacks=[Timer()])
+                          processing_class=tok, callbacks=[step_recorder(times, logs)])
     try:
         trainer.train()
     finally:
