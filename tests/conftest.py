@@ -33,6 +33,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("RAY_ADDRESS", None)
+# Output drawn as CI draws it (not a terminal: 80 columns, no colour), whatever started pytest:
+# rich takes its width from COLUMNS, else from any standard stream that is a terminal (stdin
+# under `pytest -s`), and colours a pipe under FORCE_COLOR/TTY_COMPATIBLE (CI configs often
+# set FORCE_COLOR=1), which wrapped or split the text the tests look for. Tests of these
+# settings set them on their own commands.
+os.environ["COLUMNS"] = "80"
+for _var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+    os.environ.pop(_var, None)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION_RAY_CPUS = 8  # logical CPUs: room for a 2-rank run while a killed run's actors wind down

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,10 +35,15 @@ HEAVY = ("torch", "ray", "hydra", "omegaconf", "vllm", "megatron", "transformers
 @pytest.fixture(scope="module")
 def rl_bin(tmp_path_factory) -> Path:
     """A bin/ dir whose `rl` is exactly pip's console script for rlcli.main:main, pinned to
-    this checkout (an editable install elsewhere must not answer for it)."""
+    this checkout (an editable install elsewhere must not answer for it). Like pip's, it starts
+    Python through /bin/sh when the interpreter's path cannot be a `#!` line (a space in the
+    checkout or venv path, or longer than older kernels read)."""
     bin_dir = tmp_path_factory.mktemp("bin")
     rl = bin_dir / "rl"
-    rl.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
+    exe = sys.executable
+    head = (f"#!{exe}\n" if " " not in exe and len(exe) < 127 else
+            f"#!/bin/sh\n'''exec' {shlex.quote(exe)} \"$0\" \"$@\"\n' '''\n")
+    rl.write_text(f"{head}import sys\nsys.path.insert(0, {str(REPO)!r})\n"
                   "from rlcli.main import main\nsys.exit(main())\n")
     rl.chmod(0o755)
     return bin_dir
@@ -416,7 +422,7 @@ class TmuxShell:
         self.shell, self.sock = shell, f"rl-completion-test-{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}"
         self.tmux = ["tmux", "-L", self.sock, "-f", "/dev/null"]
         argv = {"bash": "bash --norc --noprofile", "zsh": "zsh -f", "fish": "fish --no-config"}[shell]
-        envs = " ".join(f"{k}={v}" for k, v in env.items())
+        envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())  # tmp paths may hold spaces
         subprocess.run(self.tmux + ["new-session", "-d", "-x", "220", "-y", "50", "-s", "t", "-c", str(cwd),
                                     f"env -i {envs} {argv}"], check=True)
         try:
@@ -427,7 +433,7 @@ class TmuxShell:
 
     def _setup(self) -> None:
         shell = self.shell
-        script = REPO / "completions" / f"rl.{shell}"
+        script = shlex.quote(str(REPO / "completions" / f"rl.{shell}"))  # the checkout path may hold spaces
         setup = {
             "bash": f"PS1='{PROMPT}'; source {script}",
             "zsh": f"PS1='{PROMPT}'; autoload -Uz compinit && compinit -u -D; source {script}",

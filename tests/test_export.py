@@ -307,7 +307,10 @@ def test_out_that_would_replace_the_checkpoint_or_a_special_file_is_refused(tmp_
     if where == "fifo":
         os.mkfifo(special)
     elif where == "device":
-        os.mknod(special, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 3))  # like /dev/null, our own node
+        try:
+            os.mknod(special, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 3))  # like /dev/null, our own node
+        except PermissionError:
+            pytest.skip("making a device node needs root with CAP_MKNOD")
     out, needle = {
         "run": (run, "holds the checkpoint"), "step": (step, "is the checkpoint being exported"),
         "inside_state": (step / "state", "inside the checkpoint directory"),
