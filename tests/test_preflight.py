@@ -58,11 +58,11 @@ def test_unresolvable_interpolation_is_exit_2(override, needles, tmp_path, monke
 
 def test_env_interpolation_with_value_resolves(monkeypatch):
     monkeypatch.setenv("RL_TEST_PROMPT_KEY", "question")
-    r = cli("train", "--dry-run", "--json", "task.prompt_key=${oc.env:RL_TEST_PROMPT_KEY}")
+    r = cli("train", "--dry-run", "--json", "trainer.project=${oc.env:RL_TEST_PROMPT_KEY}")
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     # shown as written: a value read from the environment is never printed or saved resolved
-    assert out["config"]["task"]["prompt_key"] == "${oc.env:RL_TEST_PROMPT_KEY}"
+    assert out["config"]["trainer"]["project"] == "${oc.env:RL_TEST_PROMPT_KEY}"
     assert "question" not in r.stdout
 
 

@@ -67,24 +67,25 @@ def test_failed_reward_leaves_nothing_then_zero_reward_json_then_overwrite_clear
 def test_environment_values_are_saved_as_interpolations_and_resolved_again_on_resume(tmp_path):
     secret = "tok-9f8e7d6c5b4a"
     d = tmp_path / "run"
-    env = {"RL_TEST_SECRET": secret}
-    r = rl("train", "trainer.total_steps=1", f"checkpoint.dir={d}", "task.answer_key=${oc.env:RL_TEST_SECRET}",
+    env = {"RL_TEST_SECRET": secret, "RL_TEST_SECRET_2": secret + "-2"}
+    r = rl("train", "trainer.total_steps=1", f"checkpoint.dir={d}", "trainer.project=${oc.env:RL_TEST_SECRET}",
            *SMALL, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     # a resume override that reads the environment: recorded (resumes.jsonl, the plan) as its text
-    r = rl("resume", str(d), "trainer.total_steps=2", "trainer.project=${oc.env:RL_TEST_SECRET}", cwd=tmp_path,
+    r = rl("resume", str(d), "trainer.total_steps=2", "trainer.project=${oc.env:RL_TEST_SECRET_2}", cwd=tmp_path,
            env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert secret not in r.stdout + r.stderr
     changes = json.loads((d / "resumes.jsonl").read_text().splitlines()[-1])["config_changes"]
     project = next(c for c in changes if c["key"] == "trainer.project")
-    assert (project["then"], project["now"], project["allowed"]) == ("rl", "${oc.env:RL_TEST_SECRET}", True)
+    assert (project["then"], project["now"], project["allowed"]) == \
+        ("${oc.env:RL_TEST_SECRET}", "${oc.env:RL_TEST_SECRET_2}", True)
     leaked = [str(p) for p in d.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaked == []
     assert "${oc.env:RL_TEST_SECRET}" in (d / "config.yaml").read_text()
-    for step in ("step_1", "step_2"):
+    for step, var in (("step_1", "RL_TEST_SECRET"), ("step_2", "RL_TEST_SECRET_2")):
         m = json.loads((d / step / "manifest.json").read_text())
-        assert m["config"]["task"]["answer_key"] == "${oc.env:RL_TEST_SECRET}"
+        assert m["config"]["trainer"]["project"] == "${oc.env:" + var + "}"
     # resuming without the variable: a clear refusal naming it
     r = rl("resume", str(d), "trainer.total_steps=3", "--dry-run", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
