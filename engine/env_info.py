@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from engine.threads import usable_cpus
+
 # Name shown -> distribution names to try (first installed wins). Names match the keys of a
 # run's versions.json (engine/trainer/run_dir.py).
 PACKAGES: dict[str, tuple[str, ...]] = {
@@ -214,7 +216,7 @@ def collect(probe_torch: bool = True) -> EnvReport:
         if name == "torch":
             comps.extend(extra)
     plat = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "cpus": str(os.cpu_count() or 0)}
+            "cpus": str(os.cpu_count() or 0), "usable_cpus": str(usable_cpus())}
     try:
         import resource  # noqa: F401  (POSIX only)
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")

@@ -99,12 +99,50 @@ def user_chose_omp_waits() -> bool:
     return any(k in os.environ and k not in ours for k in (*PASSIVE_OMP_ENV, *USER_OMP_VARS))
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a cgroup cpuset, Slurm's
+    binding), capped by a cgroup CPU quota (a container's ``--cpus``, Kubernetes limits), never
+    ``os.cpu_count()`` alone, which counts every core of the machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, quota)
+    return max(1, cores)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """Whole cores allowed by this process's cgroup CPU quota (v2 ``cpu.max`` or v1
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, rounded up), None when unlimited or unreadable."""
+    import math
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    v2 = read("/sys/fs/cgroup/cpu.max")  # "max 100000" or "200000 100000"
+    if v2:
+        quota, _, period = v2.partition(" ")
+        if quota != "max" and quota.isdigit() and period.isdigit() and int(period) > 0:
+            return max(1, math.ceil(int(quota) / int(period)))
+        return None
+    q, p = read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    if q and p and q.lstrip("-").isdigit() and p.isdigit() and int(q) > 0 and int(p) > 0:
+        return max(1, math.ceil(int(q) / int(p)))
+    return None
+
+
 def free_cores(samples: int = 5, interval_s: float = 0.02) -> int:
     """Cores that no other task holds, the most seen over ``samples`` readings of the runnable
     count (a start-up blip of Ray's own daemons does not make a quiet machine look busy)."""
     import time
 
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     busy = []
     for i in range(max(1, samples)):
         if i:
@@ -179,7 +217,7 @@ def adapt_threads(max_threads: int) -> int:
     Returns the count set."""
     import torch
 
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     n = max(1, min(max_threads, cores - busy_cpus()))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)

@@ -372,3 +372,28 @@ def test_reward_code_outside_the_run_is_the_users_own(tmp_path, monkeypatch):
     assert import_locations("users_reward:score") == [tmp_path / "users_reward.py"] and not marker.exists()
     with pytest.raises(Exception, match="inside the run directory"):
         refuse_code_inside(cfg, tmp_path, "the run's config")
+
+
+def test_the_resume_from_the_start_directory_hint_is_a_command_that_runs_with_spaces_in_paths(tmp_path, monkeypatch):
+    """The refusal for a run whose reward module cannot be imported from here tells the user to
+    `cd <start dir> && rl resume <run>`; with a space (or a quote) in either path the command must
+    still be one the shell runs as meant: both paths are shell-quoted."""
+    import json
+    import shlex
+
+    from engine.checkpoint.start_dir import resume_from_elsewhere
+    from engine.config.load import load_run_config
+
+    start = tmp_path / "my project's dir"
+    root = tmp_path / "runs dir" / "run 1"
+    start.mkdir()
+    root.mkdir(parents=True)
+    (root / "run.json").write_text(json.dumps({"cwd": str(start)}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_run_config(["task.reward_fns=[my_rewards_nowhere:score]"]).config
+    _warnings, refusals = resume_from_elsewhere(root, cfg, cfg, set())
+    assert len(refusals) == 1
+    command = refusals[0].split("`")[1]
+    assert shlex.split(command) == ["cd", str(start), "&&", "rl", "resume", str(root)]

@@ -7,8 +7,11 @@ on a shared machine (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +216,38 @@ def test_omp_wait_now_describes_the_environment(monkeypatch):
     assert omp_wait_now() == "passive"
     monkeypatch.delenv("GOMP_SPINCOUNT")
     assert omp_wait_now() == "passive"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least two allowed cores")
+def test_thread_counts_follow_the_cpu_affinity_not_the_machines_core_count():
+    """Under `taskset -c 0` (or a cgroup cpuset, or Slurm's binding) a process may run on one core
+    whatever os.cpu_count() says; rl's thread choices (adapt_threads, free_cores, the per-rank
+    default) must count that one core, or ranks oversubscribe it and every intra-op barrier stalls."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+            "from engine.threads import usable_cpus, free_cores, adapt_threads;"
+            "print(os.cpu_count(), usable_cpus(), free_cores(samples=1), adapt_threads(8))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    machine, usable, free, threads = map(int, out)
+    assert machine >= 2 and usable == 1 and free <= 1 and threads == 1, out
+
+
+def test_a_cgroup_cpu_quota_caps_the_usable_cores(monkeypatch, tmp_path):
+    """A container limited to 1.5 CPUs (cgroup v2 cpu.max "150000 100000") may use 2 cores' worth
+    of threads at most, rounded up; "max" means no quota."""
+    from engine import threads
+
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if path == "/sys/fs/cgroup/cpu.max":
+            return real_open(tmp_path / "cpu.max", *a, **k)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert threads.usable_cpus() == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads.usable_cpus() == 64

@@ -16,11 +16,12 @@ a warning naming both directories (and an import that fails says where the run s
 
 from __future__ import annotations
 
-from engine import json_safe
 import os
+import shlex
 from pathlib import Path
 from typing import Optional
 
+from engine import json_safe
 from engine.checkpoint.layout import RUN_FILE
 
 PATH_KEYS = (("model", "path"), ("task", "path"), ("critic", "model_path"))
@@ -80,7 +81,7 @@ def resume_from_elsewhere(root: Path, saved_cfg, cfg, overridden: set[str]) -> t
     if missing:  # the import error alone would not say where the run's modules were
         refusals.append(f"the run's reward functions ({', '.join(missing)}) cannot be imported from here "
                         f"({Path.cwd()}); the run started in {start_dir}, where they were. Resume from there: "
-                        f"`cd {start_dir} && rl resume {root}` (or put their directory on PYTHONPATH).")
+                        f"`cd {shlex.quote(str(start_dir))} && rl resume {shlex.quote(str(root))}` (or put their directory on PYTHONPATH).")
     elif user_fns:
         warnings.append(f"the run started in {start_dir}, not here: its reward functions ({', '.join(user_fns)}) "
                         f"are imported with this directory ({Path.cwd()}) importable, as always; resume from "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.schema import RunConfig
 from engine.errors import UserError
-from engine.threads import omp_spin_count, rank_env
+from engine.threads import omp_spin_count, rank_env, usable_cpus
 from engine.trainer.ray_cluster import get, timeout_error
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class WorkerGroup:
         self.placement, self.info, self._closed = [], [], False
         t = cfg.trainer
         n = t.nprocs
-        threads = t.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
+        threads = t.threads_per_rank or max(1, usable_cpus() // n)
         # device=auto: a GPU per rank when the cluster has GPUs (Ray detects them on every node)
         gpus = 1 if t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         self.plan = plan_placement(n, t.nnodes, t.ranks_per_node, t.placement, gpus)

@@ -50,6 +50,7 @@ def register(app: typer.Typer) -> None:
         console.print(table)
         plat = report.platform
         console.print(Text(f"platform: {plat.get('system', '')} {plat.get('release', '')} {plat.get('machine', '')}, "
-                           f"{plat.get('cpus', '?')} CPUs" + (f", {plat['memory']}" if "memory" in plat else "")))
+                           f"{plat.get('cpus', '?')} CPUs" + (f" ({plat['usable_cpus']} usable by this process)"
+                           if plat.get("usable_cpus") not in (None, plat.get("cpus")) else "") + (f", {plat['memory']}" if "memory" in plat else "")))
         if report.environment:
             console.print(Text("environment: " + " ".join(f"{k}={v}" for k, v in report.environment.items())))
