@@ -387,6 +387,12 @@ def _saved_run(path: str) -> tuple[str | None, dict[str, str]]:
     return engine, flat
 
 
+def _on_line(words: list[str], group: str) -> bool:
+    """Whether the line itself picks ``group`` (``task=add``; the engine also by --engine/-e)."""
+    return any(w.startswith(f"{group}=") for w in words) or (
+        group == "engine" and any(w in ("--engine", "-e") or w.startswith("--engine=") for w in words))
+
+
 class _View:
     """The tree for one command line: every offerable leaf's metadata and current value.
 
@@ -404,6 +410,10 @@ class _View:
             engine, saved = _saved_run(path) if path else (None, {})
             if engine in tree["engines"]:
                 chosen["engine"] = engine
+        file_groups, file_values = ({}, {}) if self.resume else _config_file_values(words)
+        for group, option in file_groups.items():  # the groups a --config file picks, unless the line does
+            if option in tree["groups"].get(group, {}) and not _on_line(words, group):
+                chosen[group] = option
         self.tree = tree
         self.chosen = chosen
         removed = set(tree["removed"])
@@ -418,6 +428,7 @@ class _View:
         self.defaults = dict(tree["base"])
         for group, option in chosen.items():
             self.defaults.update(tree["groups"].get(group, {}).get(option, {}).get("values", {}))
+        self.defaults.update(file_values)  # `rl train --config FILE`: the file's values are the line's defaults
         if self.resume:
             self.defaults.update(saved)
             allowed = tree.get("resume_allowed")
@@ -616,6 +627,56 @@ def complete_ckpt_path_described(incomplete: str) -> list[tuple[str, str]]:
         return _path_candidates(incomplete, files=False)
     except Exception:
         return []
+
+
+def complete_config_file(incomplete: str) -> list[tuple[str, str]]:
+    """TAB on `--config FILE`: YAML files (in a run root its config.yaml, which reproduces the
+    run), run roots and other directories to descend into; no step_N dirs."""
+    try:
+        head = incomplete[: incomplete.rfind("/") + 1]
+        in_run = _is_run_root(os.path.expanduser(head) if head else ".")
+        out = []
+        for c, h in _path_candidates(incomplete, files=True):
+            if c.endswith("/"):
+                out.append((c, h))
+            elif c.endswith((".yaml", ".yml")) and not h.startswith("step "):
+                run_config = in_run and c.rsplit("/", 1)[-1] == "config.yaml"
+                out.append((c, "the run's config (reproduces the run)" if run_config else "YAML file"))
+        return out
+    except Exception:
+        return []
+
+
+def _config_file_values(words: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(groups, flat values as typed text) of the `--config FILE` on the line, if any."""
+    path = ""
+    for i, w in enumerate(words):
+        if w in ("--config", "-c") and i + 1 < len(words):
+            path = words[i + 1]
+        elif w.startswith("--config="):
+            path = w.split("=", 1)[1]
+    if not path:
+        return {}, {}
+    from engine import yaml_safe
+
+    try:
+        data = yaml_safe.safe_load(Path(os.path.expanduser(path)).read_text(), path)
+    except Exception:
+        return {}, {}
+    flat: dict[str, str] = {}
+    stack = [("", data if isinstance(data, dict) else {})]
+    while stack:
+        prefix, d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                stack.append((f"{prefix}{k}.", v))
+            else:
+                flat[f"{prefix}{k}"] = _render_default(v)
+    names = {"engine": "engine.name", "task": "task.name", "model": "model.preset", "algorithm": "algorithm.name",
+             "rollout": "rollout.name"}
+    groups = {g: flat.get(k) or (_render_default(data[g]) if isinstance(data, dict) and isinstance(data.get(g), str)
+                                 else "") for g, k in names.items()}
+    return {g: v for g, v in groups.items() if v}, flat
 
 
 def complete_inspect_path(incomplete: str) -> list[tuple[str, str]]:

@@ -256,6 +256,35 @@ def test_resume_offers_only_allowed_keys_with_the_saved_values(tmp_path, monkeyp
     assert offer("rl resume ckpt/ engine.param_offload=")[0] == "engine.param_offload=true"
 
 
+def test_a_config_file_on_the_line_gives_the_defaults_and_files_complete(tmp_path, monkeypatch):
+    """`rl train --config FILE`: the file's values are the defaults offered first and its engine
+    picks the engine keys (unless the line picks one); `--config <TAB>` offers YAML files and, in
+    a run root, the run's config.yaml; `rl config show` completes overrides as `rl train` does."""
+    run = tmp_path / "ckpt"
+    (run / "step_10").mkdir(parents=True)
+    (run / "step_10" / "manifest.json").write_text("{}")
+    (run / "run.json").write_text('{"format": "rl-run", "version": 1}')
+    (run / "config.yaml").write_text("trainer:\n  total_steps: 77\nengine:\n  name: megatron\n")
+    (tmp_path / "exp.yml").write_text("task: add\n")
+    (tmp_path / "notes.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("_RL_COMPLETE", "complete_fish")
+
+    def offer(line: str) -> list[str]:
+        monkeypatch.setenv("_TYPER_COMPLETE_ARGS", line)
+        return _values(ck.complete_override(line.rsplit(" ", 1)[-1]))
+
+    assert offer("rl train --config ckpt/config.yaml trainer.total_steps=")[0] == "trainer.total_steps=77"
+    assert "engine.tensor_model_parallel_size=" in offer("rl train --config ckpt/config.yaml engine.")
+    assert "engine.tensor_model_parallel_size=" not in offer("rl train --config ckpt/config.yaml -e fsdp engine.")
+    assert offer("rl train trainer.total_steps=")[0] == "trainer.total_steps=40"
+    assert offer("rl config show --config exp.yml task=")[0].startswith("task=")
+    assert "trainer.total_steps=" in offer("rl config show trainer.total")
+    assert _values(ck.complete_config_file("")) == ["ckpt/", "exp.yml"]
+    described = dict(ck.complete_config_file("ckpt/"))
+    assert list(described) == ["ckpt/config.yaml"] and "reproduces the run" in described["ckpt/config.yaml"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The key-tree cache
 # ---------------------------------------------------------------------------------------------

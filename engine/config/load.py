@@ -5,6 +5,13 @@
 Overrides are checked against the schema *before* Hydra sees them, so a typo gets "did you
 mean", a removed key names its replacement, and a bad group option lists the options —
 instead of Hydra's "Key 'x' is not in struct".
+
+    cfg, info = load_run_config(["optim.lr=1e-3"], config_file="runs/a/config.yaml")
+
+A config file (`--config FILE`, engine/config/config_file.py) sits between the defaults and the
+command line: the groups it picks are composed, its values set over them, and then every
+command-line override wins over both. A run's own config.yaml composes to exactly that run's
+config.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class LoadedConfig:
     groups: dict[str, str]
     changed: dict[str, tuple] = field(default_factory=dict)  # key -> (default, now)
     env_refs: dict[str, object] = field(default_factory=dict)  # key -> `${oc.env:...}` text (never saved resolved)
+    config_file: str = ""  # --config FILE, when one was given
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
@@ -114,10 +122,13 @@ def check_not_a_sweep(override: str, key: str, value: str) -> None:
             f"quoted: `{key}='{value}'`.", title="invalid override")
 
 
-def compose_dict(overrides: list[str], with_env_refs: bool = False):
+def compose_dict(overrides: list[str], with_env_refs: bool = False, file_values: dict | None = None,
+                 file_path: str = ""):
     """Hydra compose over configs/ -> plain dict with interpolations resolved (no validation).
     ``with_env_refs``: also return the keys whose values read the environment (see
-    engine.config.interpolation)."""
+    engine.config.interpolation). ``file_values``: flat key -> value from a config file, set
+    after composition (interpolations unresolved, so they resolve with the whole config); the
+    caller leaves out the keys a command-line override sets."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -138,16 +149,31 @@ def compose_dict(overrides: list[str], with_env_refs: bool = False):
                           title="invalid override") from None
     finally:
         GlobalHydra.instance().clear()
+    for key, value in (file_values or {}).items():
+        try:
+            OmegaConf.update(cfg, key, value, merge=False)
+        except Exception as e:
+            raise ConfigError(f"In --config {file_path}: `{key}` cannot be set to {value!r}: "
+                              f"{' '.join(str(e).split()) or type(e).__name__}.", title="invalid config value") from None
     data = resolve_container(cfg)
     if with_env_refs:
         return data, env_references(OmegaConf.to_container(cfg, resolve=False))  # type: ignore[arg-type]
     return data
 
 
-def check_group_choices(overrides: list[str], engine: str | None = None) -> None:
+def check_group_choices(overrides: list[str], engine: str | None = None, file_groups: dict | None = None,
+                        file_path: str = "") -> None:
     """A config group chosen twice with different values is an error naming both (Hydra would
-    keep one silently: `--engine fsdp engine=megatron` ran fsdp, and overrides.yaml recorded one)."""
+    keep one silently: `--engine fsdp engine=megatron` ran fsdp, and overrides.yaml recorded one).
+    ``file_groups``: the options a --config file picks (engine/config/config_file.py)."""
+    from engine.config.config_file import GROUP_NAME_KEYS
+
     seen: dict[str, tuple[str, str]] = {}  # group -> (value, as the user wrote it)
+    for group, value in (file_groups or {}).items():
+        seen[group] = (value, f"{GROUP_NAME_KEYS[group]}: {value}` in `--config {file_path}")
+    if engine is not None and "engine" in seen and seen["engine"][0] != engine:
+        raise ConfigError(f"`{seen['engine'][1]}` and `--engine {engine}` both choose the engine, and differ. Keep "
+                          f"the one you mean and drop the other.", title="conflicting overrides")
     if engine is not None:
         seen["engine"] = (engine, f"--engine {engine}")
     for o in overrides:
@@ -182,23 +208,92 @@ DATASET_ONLY_TASK_KEYS = ("task.path", "task.format", "task.subset", "task.split
                           "task.prompt_key", "task.answer_key")
 
 
-def load_run_config(overrides: list[str] | None = None, engine: str | None = None) -> LoadedConfig:
+def load_run_config(overrides: list[str] | None = None, engine: str | None = None,
+                    config_file: str | Path | None = None) -> LoadedConfig:
+    """The run's config: configs/ defaults, then ``config_file`` (if any), then ``overrides``."""
     overrides = list(overrides or [])
-    check_group_choices(overrides, engine)
+    cfile = None
+    if config_file is not None:
+        from engine.config.config_file import read_config_file
+
+        cfile = read_config_file(config_file)
+    file_groups = cfile.groups() if cfile is not None else {}
+    check_group_choices(overrides, engine, file_groups, cfile.path if cfile is not None else "")
     if engine is not None:
         if engine not in group_options("engine"):
             opts = group_options("engine")
             raise ConfigError(f"`--engine {engine}` is not a known engine.{suggest(engine, opts)} "
                               f"Options: {', '.join(opts)}.", title="unknown engine")
         overrides = [o for o in overrides if not o.startswith("engine=")] + [f"engine={engine}"]
-    precheck_overrides(overrides, engine)
-    data, env_refs = compose_dict(overrides, with_env_refs=True)
-    cfg = build_run_config(data)
+    engine_name = precheck_overrides(overrides, engine or file_groups.get("engine"))
+    file_values: dict = {}
+    if cfile is not None:
+        on_line = {parse_override(o)[1] for o in overrides}
+        overrides = [f"{g}={v}" for g, v in file_groups.items() if g not in on_line] + overrides
+        file_values = _file_values(cfile, engine_name, on_line - set(CONFIG_GROUPS))
+    try:
+        data, env_refs = compose_dict(overrides, with_env_refs=True, file_values=file_values,
+                                      file_path=cfile.path if cfile is not None else "")
+        cfg = build_run_config(data)
+    except ConfigError as e:
+        raise _from_file(e, cfile, file_values) from None
     check_task_keys(cfg, overrides)
     groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
     defaults = _defaults(groups["engine"])
+    if cfile is not None:
+        _check_file_task_keys(cfg, cfile, file_values, defaults)
     changed = {k: (a, env_refs[k] if k in env_refs else b) for k, (a, b) in diff_configs(defaults, cfg).items()}
-    return LoadedConfig(cfg, overrides, groups, changed, env_refs)
+    return LoadedConfig(cfg, overrides, groups, changed, env_refs, cfile.path if cfile is not None else "")
+
+
+def _file_values(cfile, engine_name: str, on_line: set[str]) -> dict:
+    """The file's flat values that apply: every key checked against the schema (an unknown,
+    removed or other-engine key is the error an override gets, naming the file), less those
+    a command-line override sets (the command line wins)."""
+    out = {}
+    for key, value in cfile.leaves().items():
+        try:
+            check_key(key, engine_name)
+        except ConfigError as e:
+            raise cfile.error(e) from None
+        if any(key == k or key.startswith(k + ".") for k in on_line):
+            continue
+        out[key] = value
+    if out.get("checkpoint.overwrite") is True:
+        # a run's config.yaml records overwrite=true when that run replaced another: taken from
+        # the file, rerunning it would delete the run it came from. Deleting is asked on the line.
+        raise ConfigError(
+            f"--config {cfile.path} sets checkpoint.overwrite=true, which deletes every file of the run in "
+            f"checkpoint.dir={out.get('checkpoint.dir', '<default>')} before starting. A file cannot ask for that: "
+            f"give checkpoint.overwrite=true on the command line to replace that run, or checkpoint.overwrite=false "
+            f"(with checkpoint.dir=<new dir> for a rerun beside it).", title="config file would delete a run")
+    return out
+
+
+def _from_file(e: ConfigError, cfile, file_values: dict) -> ConfigError:
+    """A validation error about a key the file set: say so (it names the key first, `key` ...)."""
+    import re
+
+    m = re.match(r"`([^`=]+)`", e.message)
+    if cfile is None or not m or e.message.startswith("In --config"):
+        return e
+    key = m.group(1)
+    if any(k == key or k.startswith(key + ".") for k in file_values):
+        return cfile.error(e)
+    return e
+
+
+def _check_file_task_keys(cfg: RunConfig, cfile, file_values: dict, defaults: RunConfig) -> None:
+    """A dataset key the file sets (away from its default) on a built-in task: the error an
+    override gets (check_task_keys), naming the file. A run's config.yaml holds every key at
+    its default, which is no conflict."""
+    flat_defaults = flatten(asdict(defaults))
+    given = [f"{k}={v}" for k, v in file_values.items()
+             if k in DATASET_ONLY_TASK_KEYS and v != flat_defaults.get(k)]
+    try:
+        check_task_keys(cfg, given)
+    except ConfigError as e:
+        raise cfile.error(e) from None
 
 
 def _defaults(engine_name: str) -> RunConfig:

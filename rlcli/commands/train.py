@@ -15,8 +15,11 @@ EPILOG = """[bold]Examples[/]
   rl train task=add optim.lr=5e-3
   rl train model.path=/models/Qwen2.5-0.5B task=dataset task.path=prompts.jsonl task.reward_fn=mypkg.rewards:exact_match
   rl train --dry-run engine.pad_to_length=true    [dim]# validate and print the plan, run nothing[/]
+  rl train --config runs/a/config.yaml            [dim]# a run's own config.yaml: the same run again[/]
+  rl train --config exp.yaml optim.lr=1e-3 checkpoint.dir=runs/b   [dim]# a file, then overrides (they win)[/]
 
-Every key: docs/config-reference.md. Continue a run: [bold]rl resume ckpt/[/]."""
+Every key: docs/config-reference.md; the composed config: [bold]rl config show[/] (takes the same arguments).
+Continue a run: [bold]rl resume ckpt/[/]."""
 
 
 def complete_engine(incomplete: str):
@@ -31,6 +34,12 @@ def complete_override(incomplete: str):
     return _complete(incomplete)
 
 
+def complete_config_file(incomplete: str):
+    from rlcli.completion_keys import complete_config_file as _complete
+
+    return _complete(incomplete)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("train", epilog=EPILOG, rich_help_panel="Run")
     def train(
@@ -40,6 +49,10 @@ def register(app: typer.Typer) -> None:
         engine: Annotated[Optional[str], typer.Option(
             "--engine", "-e", help="Training backend: fsdp or megatron (same as engine=<name>).",
             autocompletion=complete_engine, rich_help_panel="Engine")] = None,
+        config_file: Annotated[Optional[str], typer.Option(
+            "--config", "-c", help="Start from this YAML file of config keys (a run's own config.yaml reproduces "
+            "the run; a partial file sets only its keys); the overrides win over it.",
+            autocompletion=complete_config_file, show_default=False, rich_help_panel="Config")] = None,
         dry_run: Annotated[bool, typer.Option(
             "--dry-run", help="Validate the config, run the preflight checks (extras, model, reward function, "
             "run directory) and print the resolved config; create nothing.",
@@ -55,7 +68,7 @@ def register(app: typer.Typer) -> None:
         from engine.config.load import load_run_config
         json_errors(json_out)
 
-        loaded = call_engine(load_run_config, list(overrides or []), engine=engine)
+        loaded = call_engine(load_run_config, list(overrides or []), engine=engine, config_file=config_file)
         if dry_run:
             from engine.trainer.preflight import preflight
 
