@@ -434,9 +434,18 @@ class _View:
             allowed = tree.get("resume_allowed")
             if allowed is not None:
                 self.leaves = {k: m for k, m in self.leaves.items() if k in set(allowed)}
+        self.eval = command == "eval"
+        if self.eval:  # only what `rl eval` reads (engine/evaluate/config.py refuses the rest)
+            from engine.evaluate.config import reads
+
+            self.leaves = {k: m for k, m in self.leaves.items() if reads(k)}
 
     @property
     def groups(self) -> dict[str, dict]:
+        if self.eval:
+            from engine.evaluate.config import READ_GROUPS
+
+            return {g: o for g, o in self.tree["groups"].items() if g in READ_GROUPS}
         return {} if self.resume else self.tree["groups"]
 
     def default(self, key: str) -> str:

@@ -22,7 +22,7 @@ app = typer.Typer(
 )
 
 # Each module in rlcli/commands defines register(app). Order is the order in --help.
-COMMAND_MODULES = ("train", "resume", "config", "inspect_ckpt", "export", "plot", "mem_report", "env")
+COMMAND_MODULES = ("train", "resume", "config", "eval", "inspect_ckpt", "export", "plot", "mem_report", "env")
 
 for _name in COMMAND_MODULES:  # a missing or broken command module fails loudly, never silently
     importlib.import_module(f"rlcli.commands.{_name}").register(app)

@@ -68,6 +68,9 @@ def register(app: typer.Typer) -> None:
         from engine.config.load import load_run_config
         json_errors(json_out)
 
+        from engine.evaluate.config import refuse_eval_keys
+
+        call_engine(refuse_eval_keys, list(overrides or []))
         loaded = call_engine(load_run_config, list(overrides or []), engine=engine, config_file=config_file)
         if dry_run:
             from engine.trainer.preflight import preflight
