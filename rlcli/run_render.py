@@ -64,18 +64,24 @@ def stdout_to_stderr(on: bool):
 
 
 def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_refs=None) -> None:
+    from rlcli.render.progress import LiveArea, StepBar
     from rlcli.render.train import PhaseDisplay, StepPrinter, plan_table, summary_chart, summary_table
 
-    from engine.trainer.events import (Notice, PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunSummary,
-                                       StepRecord, Validation)
+    from engine.trainer.events import (Notice, PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunProgress,
+                                       RunSummary, StepRecord, Validation)
     from engine.trainer.trainer import train
 
     out = stderr_console() if json_out else stdout_console()  # under --json only the summary JSON goes to stdout
-    printer = StepPrinter(out, cfg.trainer.log_freq, enabled="console" in cfg.trainer.loggers)
-    phases = PhaseDisplay(out)
+    area = LiveArea(out)  # a terminal's live bottom: phase spinners and the step bar (nothing on a pipe)
+    console_on = "console" in cfg.trainer.loggers
+    printer = StepPrinter(out, cfg.trainer.log_freq, enabled=console_on, area=area)
+    phases = PhaseDisplay(out, area)
+    bar = StepBar(area, enabled=console_on)
 
     def on_event(e) -> None:
-        if isinstance(e, PhaseStarted):
+        if isinstance(e, RunProgress):
+            bar.update(e)
+        elif isinstance(e, PhaseStarted):
             phases.started(e)
         elif isinstance(e, PhaseProgress):
             phases.update(e)
@@ -88,6 +94,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         elif isinstance(e, Validation):
             printer.validation(e)
         elif isinstance(e, RunSummary):
+            bar.close()  # the bar is erased; the summary stays
             out.print(summary_table(e))
             chart = summary_chart(e.run_dir, out)
             if chart is not None:
@@ -108,6 +115,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
 
             summary = call_engine(run)
         finally:
+            bar.close()
             phases.close()
     except SystemExit as e:  # SIGTERM during the run (engine/trainer/ray_cluster.py): stopped like Ctrl-C
         from engine.sigterm import TERMINATED_EXIT

@@ -133,6 +133,21 @@ class Samples:
 
 
 @dataclass
+class RunProgress:
+    """Where the run stands after a step (engine/tracking/eta.py computes it; the CLI draws a
+    progress bar from it on a terminal)."""
+    step: int                 # the step that just ended (start_step before the first)
+    total_steps: int
+    start_step: int           # 0, or the checkpoint's step on resume
+    elapsed_s: float          # since this run's (or resume's) first step began
+    step_s: float | None      # seconds per step: moving average of the last steps' wall times
+    eta_s: float | None       # seconds until the last step ends; None before the first step
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class PhaseStarted:
     """A long phase began (the CLI shows a progress line until PhaseFinished)."""
     phase: str                       # load_model | load_checkpoint | save_checkpoint | validation

@@ -24,6 +24,7 @@ from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
 from engine.rewards.compute import RewardError, samples_of
+from engine.tracking.eta import StepClock
 from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
 from engine.tracking.samples import SAMPLES_FILE, is_sample_step, pick_rows
@@ -108,6 +109,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     emit(v)
                 checkpoints = []
                 diverged: list[int] = []  # the latest steps in a row whose every policy update was skipped
+                clock = StepClock(start_step, cfg.trainer.total_steps)  # step k/N, elapsed, ETA for the CLI
+                on_event(clock.start())
                 for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                     workers.take_bytes()
                     rec = rl_step(cfg, inputs, workers, stream, step)
@@ -132,6 +135,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     tracking.on_event(rec)  # metrics.jsonl, samples.jsonl, loggers
                     rdir.append_memory(rec.memory)
                     on_event(rec)
+                    on_event(clock.tick(step))
                     if saving:
                         workers.onload(step)  # checkpoints read the live params and optimizer state
                         tmp, final = rdir.path / f"{TMP_PREFIX}{step}", rdir.path / step_dir_name(step)

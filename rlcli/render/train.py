@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
@@ -66,15 +66,25 @@ def plan_table(plan) -> Table:
 
 
 class StepPrinter:
-    """Prints one aligned row per step (works in terminals and in logs/pipes)."""
+    """Prints one aligned row per step (works in terminals and in logs/pipes). While a live
+    display (the step bar, rlcli/render/progress.py) runs, rows go through its console, above it."""
 
-    def __init__(self, console: Console, log_freq: int = 1, enabled: bool = True):
+    def __init__(self, console: Console, log_freq: int = 1, enabled: bool = True, area=None):
         # rows need ~124 columns; logs and pipes default to 80, so widen rather than squeeze
         self.console = Console(file=console.file, width=max(console.width, 124), highlight=False,
                                force_terminal=console.is_terminal, no_color=console.no_color)
         self.log_freq = log_freq
         self.enabled = enabled  # "console" in trainer.loggers
         self.rows = 0
+        self.area = area  # rlcli.render.progress.LiveArea, or None
+
+    def _print(self, renderable) -> None:
+        if self.area is not None and self.area.active:  # the live display's console keeps it below
+            with self.console.capture() as cap:  # drawn at the rows' width, as without the display
+                self.console.print(renderable)
+            self.area.console.print(Text.from_ansi(cap.get().rstrip("\n")), soft_wrap=True)
+        else:
+            self.console.print(renderable)
 
     def _table(self, header: bool) -> Table:
         t = Table(box=None, show_header=header, header_style="bold", pad_edge=False, padding=(0, 1))
@@ -90,17 +100,17 @@ class StepPrinter:
             return
         t = self._table(header=self.rows % 25 == 0)
         t.add_row(*[get(rec) for _, _, get in STEP_COLUMNS])
-        self.console.print(t)
+        self._print(t)
         self.rows += 1
         for a in alarms:
-            self.console.print(f"  [bold red]ALARM[/] {a['kind']} (step {a['step']}): {a['message']}")
+            self._print(f"  [bold red]ALARM[/] {a['kind']} (step {a['step']}): {a['message']}")
 
     def validation(self, v) -> None:
         if not self.enabled:
             return
         acc = "-" if v.accuracy is None else f"{v.accuracy:.3f}"
         failed = f", {v.reward_failures} reward calls failed (scored 0)" if getattr(v, "reward_failures", 0) else ""
-        self.console.print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}{failed}")
+        self._print(f"  [bold]validation[/] step {v.step}: accuracy {acc}, reward {v.reward:.3f}{failed}")
 
 
 def summary_table(s) -> Table:
@@ -138,35 +148,34 @@ class PhaseDisplay:
     DONE_VERB = {"load_model": "ready", "load_checkpoint": "loaded", "save_checkpoint": "saved",
                  "validation": "done"}
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, area=None):
+        from rlcli.render.progress import LiveArea, phase_progress
+
         self.console = console
-        self.live = console.is_terminal
-        self.progress: Progress | None = None
+        self.area = area if area is not None else LiveArea(console)  # shared with the step bar
+        self.live = self.area.enabled
+        self.progress: Progress = phase_progress(self.area)
         self.tasks: dict[str, tuple] = {}   # phase -> (task id, label, total bytes)
 
     def started(self, e) -> None:
         if not self.live:
             return
-        if self.progress is None:
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                     console=self.console, transient=True)
-            self.progress.start()
         label = e.label + (f" ({human_bytes(e.total_bytes)})" if e.total_bytes else "")
         self.tasks[e.phase] = (self.progress.add_task(label, total=None), e.label, e.total_bytes)
+        self.area.refresh()
 
     def update(self, e) -> None:
-        if self.progress is None or e.phase not in self.tasks:
+        if e.phase not in self.tasks:
             return
         task, label, _ = self.tasks[e.phase]
         self.progress.update(task, description=f"{label}: {human_bytes(e.done_bytes)} written")
+        self.area.refresh()
 
     def finished(self, e) -> None:
-        if self.progress is not None and e.phase in self.tasks:
+        if e.phase in self.tasks:
             task, _, _ = self.tasks.pop(e.phase)
             self.progress.remove_task(task)
-            if not self.tasks:
-                self.progress.stop()
-                self.progress = None
+            self.area.refresh()
         if e.phase == "validation":
             return  # its result is printed on its own line / in the step row
         size = f", {human_bytes(e.bytes)}" if e.bytes else ""
@@ -175,9 +184,10 @@ class PhaseDisplay:
                                 style="dim"))
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        for task, _, _ in self.tasks.values():
+            self.progress.remove_task(task)
+        self.tasks = {}
+        self.area.close()
 
 
 def summary_chart(run_dir: str, console: Console) -> Text | None:
