@@ -84,7 +84,9 @@ def render_reference() -> str:
     out = ["# Config reference", "",
            "Generated from `engine/config/schema.py` (`python -m engine.config.generate`).",
            "Set any key on the command line: `rl train section.key=value`. Groups pick a preset file: "
-           + ", ".join(f"`{g}=`" for g in CONFIG_GROUPS) + ".", ""]
+           + ", ".join(f"`{g}=`" for g in CONFIG_GROUPS) + ".",
+           "Start from a YAML file of keys with `rl train --config FILE` (a run's own config.yaml reproduces the run); "
+           "`rl config show` prints the composed config (docs/config-files.md).", ""]
     for section, cls in section_types().items():
         classes = ENGINE_CONFIGS.values() if section == "engine" else [cls]
         for c in classes:
