@@ -111,3 +111,24 @@ def test_combine_update_single_rank_is_identity():
 
     res = combine_update([_out(0.3, 7, 1.5)], dp_leaders=[0])
     assert res.metrics == {"pg_loss": 0.3, "grad_norm": 1.5, "lr": 0.1} and res.tokens == 7
+
+
+def test_every_engine_choice_is_registered_once_and_the_update_loop_is_not_overridden():
+    """engine/backends/registry.py is the one place a backend is named: every `engine.name`
+    the schema accepts has an engine and a critic class there, and those classes take the update
+    loop and the log-prob pass from TrainEngine (backends supply hooks, not their own loops:
+    a backend that re-wrote train_step would drift from the other, as the two copies once did)."""
+    pytest.importorskip("megatron.core")
+    from engine.backends.base import TrainEngine
+    from engine.backends.critic import Critic
+    from engine.backends.registry import BACKENDS, critic_class, engine_class
+    from engine.config.schema import ENGINE_CONFIGS
+
+    assert set(BACKENDS) == set(ENGINE_CONFIGS)
+    for name in BACKENDS:
+        eng, critic = engine_class(name), critic_class(name)
+        assert issubclass(eng, TrainEngine) and issubclass(critic, Critic)
+        for loop in ("compute_log_probs", "accumulate_and_step", "_skip_idle_rows"):
+            assert loop not in vars(eng), f"{eng.__name__} overrides the shared {loop}"
+        for loop in ("train_step", "compute_values"):
+            assert loop not in vars(critic), f"{critic.__name__} overrides the shared {loop}"

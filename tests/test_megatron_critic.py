@@ -58,7 +58,7 @@ def _reference(cfg, head):
     """The FSDP2 critic's model (ValueModel) on the same initial backbone, with ``head``."""
     from test_megatron import VOCAB
 
-    from engine.backends.critic import ValueModel
+    from engine.backends.fsdp.critic import ValueModel
     from engine.model.build import build_hf_model
 
     lm = build_hf_model(cfg.model, "", VOCAB, cfg.trainer.seed, 0, 1).float()

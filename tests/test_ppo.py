@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.algorithms.value_loss import value_loss
-from engine.backends.critic import ValueModel
+from engine.backends.fsdp.critic import ValueModel
 from tests.dist_utils import full_tensor, run_ranks
 
 
@@ -133,7 +133,7 @@ def _critic_offload_round_trip(rank, world):
     import functools
 
     import engine.memory.offload as off
-    from engine.backends.critic import FSDPCritic
+    from engine.backends.fsdp.critic import FSDPCritic
     from engine.backends.fsdp import FSDPEngine
     from engine.config.load import load_run_config
 

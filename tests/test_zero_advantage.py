@@ -1,10 +1,12 @@
 """The update skips the forward+backward of rows whose advantage is 0 everywhere (a GRPO group
 whose samples all scored the same) and changes nothing by it: the same weights after the
 optimizer step, the same step metrics, on one rank and on two ranks of which one has only such
-rows. And it skips nothing when the loss has a term that such rows still feed (KL, entropy)."""
+rows, on both backends (the update loop is one, engine/backends/base.py). And it skips nothing
+when the loss has a term that such rows still feed (KL, entropy)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.backends.zero_advantage import split_rows, trains_nothing
@@ -34,22 +36,22 @@ def _batch(idle_groups: list[int]) -> SequenceBatch:
                          prompt_lengths=torch.full((rows,), P), advantages=adv, rollout_log_probs=rollout_lp)
 
 
-def _step(rank, world, batch, overrides):
+def _step(rank, world, batch, overrides, backend="fsdp"):
     from engine.algorithms.policy_loss import PolicyLoss
-    from engine.backends.fsdp import FSDPEngine
+    from engine.backends.registry import engine_class
     from engine.trainer.worker_group import shard_slices
 
-    cfg = load_run_config(["engine.micro_batch_size=3", *overrides]).config
-    eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
+    cfg = load_run_config(["engine.micro_batch_size=3", *overrides], engine=backend).config
+    eng = engine_class(backend)(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
     shard = batch.select(shard_slices(len(batch), world)[rank])
     stats = eng.train_step(shard, PolicyLoss(cfg.algorithm, world))
     return {k: v.clone() for k, v in eng.export_hf_state_dict().items()}, stats.metrics, stats.tokens
 
 
-def _compare(world: int, batch: SequenceBatch, extra: list[str]):
-    on = run_ranks(_step, world, batch, ["engine.skip_zero_advantage_rows=true", *extra])
-    off = run_ranks(_step, world, batch, ["engine.skip_zero_advantage_rows=false", *extra])
+def _compare(world: int, batch: SequenceBatch, extra: list[str], backend: str = "fsdp"):
+    on = run_ranks(_step, world, batch, ["engine.skip_zero_advantage_rows=true", *extra], backend)
+    off = run_ranks(_step, world, batch, ["engine.skip_zero_advantage_rows=false", *extra], backend)
     # The step with skipping against the step without, relative to the step's size: measured
     # 1.6e-5 (token-mean) and 6e-5 (seq-mean-token-mean), what changing engine.micro_batch_size
     # from 3 to 2 does too (1.1e-5, 1.2e-4: fp32 summation order, which AdamW's first step
@@ -107,11 +109,15 @@ def test_skipping_idle_rows_gives_the_same_step_on_one_rank():
     assert tok_on < 0.7 * tok_off
 
 
-def test_skipping_idle_rows_on_two_ranks_when_one_rank_has_only_idle_rows():
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.slow)])
+def test_skipping_idle_rows_on_two_ranks_when_one_rank_has_only_idle_rows(backend):
     """Rank 1's half of the batch is all idle: it trains one row, skips the rest, and the two
-    ranks' step equals the unskipped one (token-mean loss)."""
+    ranks' step equals the unskipped one (token-mean loss); megatron too (two data-parallel
+    ranks: megatron reduces gradients once, after the last micro-batch)."""
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     batch = _batch(idle_groups=[2, 3])
-    on, off, tok_on, tok_off = _compare(2, batch, [])
+    on, off, tok_on, tok_off = _compare(2, batch, [], backend)
     assert on.pop("rows_skipped") == 2 * G - 1
     for k in off:
         assert abs(on[k] - off[k]) < 1e-5, (k, on[k], off[k])

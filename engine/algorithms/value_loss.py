@@ -1,5 +1,5 @@
 """PPO's critic, the engine-independent part: where a value belongs, and its clipped loss.
-Both critics (FSDP2: engine/backends/critic.py; Megatron: engine/backends/megatron/critic.py)
+Both critics (FSDP2: engine/backends/fsdp/critic.py; Megatron: engine/backends/megatron/critic.py)
 use these.
 
 Values follow the log-prob convention of the batch: ``values[:, t]`` is V(tokens < t), the

@@ -13,12 +13,20 @@ Life cycle, per RL step (see engine/trainer/worker.py):
     rlp = engine.compute_log_probs(batch, ref=True)    # no grad, frozen reference
     metrics = engine.train_step(mini_batch, loss_fn)   # micro-batched fwd/bwd, clip, step
     engine.offload()                          # frees device memory between phases
+
+The update loop (``train_step`` -> ``accumulate_and_step``) and the no-grad log-prob pass are
+written once, here; the PPO critic's update runs through the same loop (engine/backends/critic.py).
+A backend supplies hooks: how a batch splits into micro-batches (``_micro_batches``), one
+micro-batch's forward through the loss (``_micro_batch_loss``), the logits of a forward
+(``_forward_logits``, ``_token_log_probs``), and what differs around them (``_begin_pass``,
+``_begin_accumulation``, ``_backward_scope``, ``_finish_gradients``, ``_clip_and_step``).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -78,6 +86,8 @@ class TrainEngine(ABC):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.dp_size = self.rank, self.world_size  # megatron: its data-parallel group
+        self.dp_group = None                  # None: every rank (megatron: its data-parallel group)
+        self._updates = 0                     # optimizer steps taken (the bucket policy refreshes on it)
         self.total_updates = cfg.trainer.total_steps * updates_per_step
         self.model = None                     # the trained policy (backend-wrapped)
         self.ref_model = None                 # frozen reference, when algorithm.kl_coef > 0
@@ -89,16 +99,158 @@ class TrainEngine(ABC):
     def build(self) -> None:
         """Create model(s), wrap them for parallelism, create optimizer and LR scheduler."""
 
-    # ---- forward / backward -------------------------------------------------------------
+    # ---- the backend's hooks -------------------------------------------------------------
     @abstractmethod
+    def _micro_batches(self, batch: SequenceBatch, observe: bool = True) -> list:
+        """This rank's micro-batches of ``batch`` (engine.batching.microbatch.MicroBatch),
+        padded to the bucket policy's lengths (``observe``: feed it the natural lengths)."""
+
+    @abstractmethod
+    def _forward_logits(self, model, batch: SequenceBatch) -> torch.Tensor:
+        """[B, T, V] logits of ``model`` on ``batch`` (megatron: this rank's vocab slice)."""
+
+    @abstractmethod
+    def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool):
+        """(log-probs [B, T], entropy [B, T] | None) of ``input_ids`` under ``logits``."""
+
+    @abstractmethod
+    def _micro_batch_loss(self, mb, layout, loss_fn: LossFn, n_tokens: float, n_seqs: float):
+        """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
+
+    @abstractmethod
+    def _clip_and_step(self, model, optimizer, clip: float) -> tuple[float, bool]:
+        """Clip ``model``'s gradients to ``clip`` (<= 0: no clipping), step ``optimizer`` unless
+        the global norm is not finite (a nan/inf gradient would make every weight nan; verl
+        skips it too), clear the gradients. Returns (global grad norm, finite)."""
+
+    def _layouts(self, mbs) -> list:
+        """Each micro-batch's forward layout for ``_micro_batch_loss`` (None: the plain one)."""
+        return [None] * len(mbs)
+
+    def _begin_pass(self, model) -> None:
+        """Before the first forward of a pass over ``model`` (megatron: refresh FP8 weights)."""
+
+    def _begin_accumulation(self, model) -> None:
+        """Before the first backward of an optimizer step of ``model``."""
+
+    def _forward_scope(self, model, batch: SequenceBatch, layout=None):
+        """A context around a forward (and its backward) of ``batch`` (FSDP: routing replay)."""
+        return nullcontext()
+
+    def _backward_scope(self, model, batch: SequenceBatch, layout, last: bool):
+        """A context around one micro-batch's forward and backward; ``last``: the step's final one
+        (FSDP2 reduces gradients on it only)."""
+        return self._forward_scope(model, batch, layout)
+
+    def _finish_gradients(self, model) -> None:
+        """After the last backward of a step (megatron: its DDP reduction)."""
+
+    # ---- the passes, written once --------------------------------------------------------
+    @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log p(input_ids[:, t] | <t) as [B, T] (0 at t=0 and on padding), no grad."""
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        model.eval()
+        self._begin_pass(model)
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T)
+        ent_out = torch.zeros(B, T) if with_entropy else None
+        for mb in self._micro_batches(batch, observe=False):
+            with self._forward_scope(model, mb.batch):
+                logits = self._forward_logits(model, mb.batch)
+            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy)
+            k, real = mb.num_rows, mb.indices >= 0  # rows past k are bucket padding; -1 = zero-weight twin
+            t = min(T, lp.shape[1])
+            out[mb.indices[real], :t] = lp[:k][real, :t].float().cpu()
+            if with_entropy:
+                ent_out[mb.indices[real], :t] = ent[:k][real, :t].float().cpu()
+        return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
 
-    @abstractmethod
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> StepStats:
-        """Micro-batch ``batch`` (this rank's share of one mini-batch), accumulate grads,
-        all-reduce, clip, optimizer step, LR-scheduler step."""
+        """One optimizer step on this rank's share of a mini-batch: rows that train nothing
+        left out, micro-batches accumulated, gradients reduced, clipped, stepped, the LR
+        schedule advanced."""
+        n_tokens, n_seqs = global_counts(batch, self.dp_group, self.dp_size)  # of every row, skipped or not
+        batch, sums = self._skip_idle_rows(batch, loss_fn, n_tokens, n_seqs)
+        self.model.train()
+        mbs = self._micro_batches(batch)
+        stats = StepStats()
+
+        def loss_of(mb, layout):
+            return self._micro_batch_loss(mb, layout, loss_fn, n_tokens, n_seqs)
+
+        grad_norm, finite = self.accumulate_and_step(self.model, self._policy_optimizer(),
+                                                     list(zip(mbs, self._layouts(mbs))), loss_of, sums,
+                                                     self.cfg.optim.grad_clip, stats)
+        self.lr_scheduler.step()
+        self._updates += 1
+        self.bucket_policy.maybe_refresh(self._updates)
+        stats.metrics = sums
+        stats.replicated = {"grad_norm": grad_norm, "lr": self.lr_scheduler.get_last_lr()[0],
+                            "nonfinite_updates": 0.0 if finite else 1.0}
+        return stats
+
+    def accumulate_and_step(self, model, optimizer, micro_batches: list, loss_of, sums: dict, clip: float,
+                            stats: StepStats | None = None) -> tuple[float, bool]:
+        """The update loop of ``model`` (the policy, or the critic): each (micro-batch, layout)
+        of ``micro_batches`` through ``loss_of`` -> (loss, metrics) and backward, metrics added
+        into ``sums``; then the gradient reduction, clipping and ``optimizer``'s step.
+        ``stats``: the policy's (token counts, shapes; memory sampled at the gradients' peak)."""
+        policy = stats is not None
+        self._begin_accumulation(model)
+        for i, (mb, layout) in enumerate(micro_batches):
+            with self._backward_scope(model, mb.batch, layout, last=i == len(micro_batches) - 1):
+                loss, metrics = loss_of(mb, layout)
+                loss.backward()  # inside the scope: checkpointed blocks recompute under it
+            if policy:
+                self._end_activation_offload()
+                stats.tokens += int(mb.real_tokens)
+                stats.padded_tokens += int(mb.padded_tokens)
+                stats.shapes.add(tuple(mb.shape))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self._finish_gradients(model)
+        if policy and self.tracker is not None:
+            self.tracker.sample_state()  # gradients are live only until the step
+        norm, finite = self._clip_and_step(model, optimizer, clip)
+        return float(norm), bool(finite and math.isfinite(norm))
+
+    def _policy_optimizer(self):
+        """What ``_clip_and_step`` steps for the policy (megatron: its optimizer wrapper)."""
+        return self.optimizer
+
+    def _skip_idle_rows(self, batch: SequenceBatch, loss_fn: LossFn, n_tokens: float, n_seqs: float):
+        """(the rows to train on, the metric sums of the rows left out): rows whose advantage is 0
+        everywhere train nothing (engine/backends/zero_advantage.py); their metrics come from a
+        no-grad pass through the same loss function."""
+        from engine.backends.zero_advantage import skippable, split_rows
+
+        split = split_rows(batch, self.cfg.engine.skip_zero_advantage_rows and skippable(loss_fn))
+        skipping = torch.tensor([len(split.skip)])
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(skipping, op=dist.ReduceOp.MAX)
+        if not int(skipping):
+            return batch, {}
+        # every rank runs the no-grad pass so that its collectives line up; a rank that skips
+        # nothing runs it on one row and drops the result
+        idle = batch.select(split.skip or split.train[:1])
+        sums = {"rows_skipped": float(len(split.skip))}
+        self.model.train()  # the forward the update would have run, without its backward
+        self._begin_pass(self.model)
+        mbs = self._micro_batches(idle, observe=False)
+        with torch.no_grad():
+            for mb, layout in zip(mbs, self._layouts(mbs)):
+                with self._forward_scope(self.model, mb.batch, layout):
+                    _, metrics = self._micro_batch_loss(mb, layout, loss_fn, n_tokens, n_seqs)
+                if split.skip:
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+        return batch.select(split.train), sums
 
     # ---- rollout ------------------------------------------------------------------------
     @abstractmethod

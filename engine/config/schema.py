@@ -221,6 +221,9 @@ class EngineConfig:
     activation_offload: bool = _f(False, "move tensors saved for backward by matching modules to host during the update's forward, back (prefetched) for backward")
     activation_offload_modules: list = _f([], "glob patterns over module names whose saved activations are offloaded; empty = every decoder layer")
     activation_offload_host_cache_limit_gb: float = _f(8.0, "host memory per rank for offloaded activations (GiB, reused across micro-batches); beyond it tensors stay on the device and are counted", min=0.0)
+    skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
+                                              "token (groups whose samples all scored the same) when the loss has "
+                                              "no KL or entropy term: the same gradient, metrics from a no-grad pass")
     fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)")
     compile: bool = _f(False, "fsdp: torch.compile each decoder block's forward for the update (generation "
                                "stays eager); pair with engine.pad_to_length for few shapes")
@@ -237,9 +240,6 @@ class FSDPEngineConfig(EngineConfig):
                                 "model, one rank and float32 only); auto = none on a one-rank CPU run (model for a "
                                 "bf16/fp16 model), layer otherwise",
                         choices=["auto", "layer", "model", "none"])
-    skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
-                                              "token (groups whose samples all scored the same) when the loss has "
-                                              "no KL or entropy term: the same gradient, metrics from a no-grad pass")
     cpu_matmul: str = _f("auto", "on a CPU: the GEMM library of every linear layer, in the update and the rollout: "
                                  "onednn (picks kernels by the CPU's instructions: 2x MKL's rate on AMD CPUs with "
                                  "AVX-512), aten (torch's default: MKL on x86); auto = onednn on an x86 CPU where this torch has it. "
@@ -259,7 +259,7 @@ class MegatronEngineConfig(EngineConfig):
 
 @dataclass
 class CriticConfig:
-    """The value model of algorithm=ppo (FSDP2: engine/backends/critic.py; megatron: engine/backends/megatron/critic.py)."""
+    """The value model of algorithm=ppo (FSDP2: engine/backends/fsdp/critic.py; megatron: engine/backends/megatron/critic.py)."""
 
     model_path: str = _f("", "model directory for the critic; empty = a copy of the policy's initial network")
     lr: float = _f(1e-2, "critic AdamW learning rate (constant)", above=0.0)
@@ -304,30 +304,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalConfig:
-    """`rl eval` (engine/evaluate/): which prompts, how many samples, where the responses go.
-    `rl train` does not read these keys."""
-
-    split: str = _f("held-out", "prompts to evaluate on: the task's held-out split (dataset tasks: task.val_split "
-                                "if set, else the rows the run held out) or its train split",
-                    choices=["held-out", "train"])
-    max_prompts: int = _f(0, "evaluate at most this many prompts of the split (its first ones); 0 = all", min=0)
-    greedy: bool = _f(True, "a greedy pass: one response per prompt (accuracy and reward)")
-    n: int = _f(0, "a sampled pass: this many responses per prompt at eval.temperature (mean accuracy, reward, "
-                   "pass@k); 0 = none", min=0)
-    k: list = _f([], "pass@k for these k (each at most eval.n), by the unbiased estimator 1 - C(n-c,k)/C(n,k); "
-                     "empty = 1, 2, 4, ... up to n, and n", item_min=1)
-    temperature: float = _f(1.0, "sampled pass: sampling temperature", above=0.0)
-    top_p: float = _f(1.0, "sampled pass: nucleus sampling mass, in (0, 1]; 1 = off", above=0.0, max=1.0)
-    seed: int = _f(0, "seeds the sampled pass's draws", min=0, max=2**32 - 1)
-    pass_threshold: float = _f(1.0, "tasks without a correctness check: a response counts as correct (accuracy, "
-                                    "pass@k) when its reward is at least this")
-    output: str = _f("eval.jsonl", "every response with its prompt, reward and data source, one JSON line each "
-                                   "(written atomically; an earlier rl eval output is replaced, any other file "
-                                   "refused); empty = none", expand_user=True)
-
-
-@dataclass
 class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,7 +316,6 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": MegatronEngineConfig}

@@ -12,7 +12,7 @@ import re
 
 _RL_PREFIXES = (
     ("model.", "model"),
-    ("critic.model.", "critic model"),            # algorithm=ppo (engine/backends/critic.py)
+    ("critic.model.", "critic model"),            # algorithm=ppo (engine/backends/fsdp/critic.py)
     ("critic.optim.state.", "critic optimizer state"),
     ("critic.optim.param_groups.", "critic optimizer param groups"),
     ("optim.state.", "optimizer state"),

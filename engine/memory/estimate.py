@@ -547,7 +547,7 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         activations=activations, activations_host=act_host, logits=logits_train, fp8_workspaces=fp8)
     critic = critic_opt = 0
     if run_cfg.algorithm.name == "ppo":
-        # engine/backends/critic.py, engine/backends/megatron/critic.py: a copy of the network
+        # engine/backends/fsdp/critic.py, engine/backends/megatron/critic.py: a copy of the network
         # (same layout), its own AdamW; offloaded with the policy by param/optimizer_offload
         critic, critic_opt = params, optimizer
         critic_res = 0 if param_offload else critic

@@ -34,10 +34,14 @@ def _preload(cfg: RunConfig) -> None:
     busy with its own start-up and has not called ``setup`` yet. A failing import is left for
     ``setup`` to raise, as a failure of the setup call rather than of the actor's creation."""
     try:
+        import importlib
+
         import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
 
-        if cfg.engine.name == "fsdp":
-            import torch.distributed.fsdp  # noqa: F401
+        from engine.backends.registry import BACKENDS
+
+        for module in BACKENDS[cfg.engine.name].preload:
+            importlib.import_module(module)
     except Exception:
         pass
 
@@ -145,22 +149,18 @@ class RankWorker:
                             record_routing=self.cfg.algorithm.router_replay != "off")
 
     def _make_critic(self):
-        if self.cfg.engine.name == "megatron":
-            from engine.backends.megatron.critic import MegatronCritic
-            return MegatronCritic(self.cfg, self.engine)
-        from engine.backends.critic import FSDPCritic
-        return FSDPCritic(self.cfg, self.engine)
+        from engine.backends.registry import critic_class
+
+        return critic_class(self.cfg.engine.name)(self.cfg, self.engine)
 
     def _make_engine(self):
         c = self.cfg
         mini = c.algorithm.ppo_mini_batch_size or c.data.train_batch_size
         updates = c.algorithm.ppo_epochs * (c.data.train_batch_size // mini)
-        args = (c, self.model_path, self.vocab["size"], self.vocab["pad"], self.vocab["eos"], self.device, updates)
-        if c.engine.name == "megatron":
-            from engine.backends.megatron.engine import MegatronEngine
-            return MegatronEngine(*args)
-        from engine.backends.fsdp import FSDPEngine
-        return FSDPEngine(*args)
+        from engine.backends.registry import engine_class
+
+        return engine_class(c.engine.name)(c, self.model_path, self.vocab["size"], self.vocab["pad"],
+                                           self.vocab["eos"], self.device, updates)
 
     # ---- phases -------------------------------------------------------------------------
     def onload(self, step: int) -> dict:

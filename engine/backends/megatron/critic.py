@@ -4,7 +4,8 @@ whose output layer is replaced by a scalar value head, wrapped in its own megatr
 own optimizer (``critic.lr`` constant, ``critic.weight_decay``, ``critic.grad_clip``).
 
 What is engine-independent (the value alignment V(tokens < t) and the clipped value loss) is
-engine/algorithms/value_loss.py, shared with the FSDP2 critic (engine/backends/critic.py).
+engine/algorithms/value_loss.py, shared with the FSDP2 critic (engine/backends/fsdp/critic.py); the update loop is
+engine/backends/critic.py.
 
 Value head. ``GPTModel`` runs embedding -> decoder -> final norm -> ``output_layer``; here
 ``output_layer`` is a ``ValueHead`` (hidden -> 1, replicated on every TP rank, zero-initialised),
@@ -20,13 +21,12 @@ between the two engines like the policy does.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 
-from engine.algorithms.value_loss import value_loss, values_per_token
-from engine.backends.base import global_counts
+from engine.algorithms.value_loss import values_per_token
+from engine.backends.critic import Critic
 from engine.batch import SequenceBatch
 
 HEAD = "output_layer"   # the GPTModel attribute the value head replaces
@@ -74,9 +74,11 @@ def critic_optim_config(cfg):
                    schedule="constant")
 
 
-class MegatronCritic:
+class MegatronCritic(Critic):
     """Built on every rank next to the MegatronEngine whose layout, micro-batching and forward
-    it reuses (after ``engine.build()``)."""
+    it reuses (after ``engine.build()``); its update is the shared one (engine/backends/critic.py:
+    megatron's DDP reduction and ``MainGradAdamW``/megatron's optimizer through the engine's hooks,
+    with a constant LR: no schedule to step)."""
 
     def __init__(self, cfg, engine):
         from megatron.core import parallel_state as ps
@@ -88,7 +90,7 @@ class MegatronCritic:
         from engine.model.build import build_hf_model
         from engine.model.source import critic_model_dir
 
-        self.cfg, self.engine = cfg, engine
+        super().__init__(cfg, engine)
         e = engine
         on_gpu = e.device.type == "cuda"
         hf = build_hf_model(cfg.model, critic_model_dir(cfg.critic.model_path, e.model_path), e.vocab_size,
@@ -134,6 +136,7 @@ class MegatronCritic:
             from engine.backends.megatron.optimizer import MainGradAdamW
 
             self.opt = MainGradAdamW(plist, ocfg, e.total_updates, ps.get_model_parallel_group(), e.tp_rank)
+        self.step_optimizer = self.opt
         self.sharded = ShardedState(self.mappings, self._params, self.arch, e.tp_rank, e.tp_size, e.tp_group,
                                     e.device)
 
@@ -148,46 +151,9 @@ class MegatronCritic:
     def param_count(self) -> int:
         return self.sharded.param_count()
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.engine._forward_logits(self.model, ids)   # [B, T, 1]: the value head's output
+    def _forward(self, batch: SequenceBatch) -> torch.Tensor:
+        out = self.engine._forward_logits(self.model, batch)   # [B, T, 1]: the value head's output
         return values_per_token(out.squeeze(-1))
-
-    @torch.no_grad()
-    def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
-        self.model.eval()
-        self.engine._refresh_fp8_weight_cache(self.model)
-        B, T = batch.input_ids.shape
-        out = torch.zeros(B, T)
-        for mb in self.engine._micro_batches(batch, observe=False):
-            v = self._forward(mb.batch.input_ids)
-            n, t = mb.num_rows, min(T, v.shape[1])
-            out[mb.indices, :t] = v[:n, :t].float().cpu()
-        return out * batch.response_mask
-
-    def train_step(self, batch: SequenceBatch) -> dict:
-        """One optimizer step of the critic on this DP group's share of a mini-batch (needs
-        ``batch.values`` and ``batch.returns``). Returns partial sums of its metrics."""
-        from megatron.core.distributed import finalize_model_grads
-
-        e = self.engine
-        self.model.train()
-        n_tokens, _ = global_counts(batch, e.dp_group, e.dp_size)
-        self.model.zero_grad_buffer()
-        e._refresh_fp8_weight_cache(self.model)
-        sums = {"value_loss": 0.0, "value_clip_frac": 0.0}
-        for mb in e._micro_batches(batch, observe=False):
-            b = mb.batch
-            v = self._forward(b.input_ids)
-            dev = e.device
-            loss, clipped = value_loss(v, b.values.to(dev), b.returns.to(dev), b.response_mask.to(dev),
-                                       self.cfg.critic.cliprange_value, n_tokens)
-            (loss * e.dp_size).backward()  # undo the data-parallel mean of gradients
-            sums["value_loss"] += loss.item()
-            sums["value_clip_frac"] += clipped.item()
-        finalize_model_grads([self.model])
-        norm = self.opt.step(self.cfg.critic.grad_clip)   # constant LR: no schedule to step
-        return {"metrics": sums, "replicated": {"value_grad_norm": float(norm),
-                                                "value_nonfinite_updates": 0.0 if math.isfinite(norm) else 1.0}}
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
     def checkpoint_state(self) -> dict:

@@ -41,7 +41,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
+from engine.backends.base import OffloadReport, StepStats, TrainEngine
 from engine.batch import SequenceBatch
 from engine.errors import ConfigError
 
@@ -225,10 +225,10 @@ class MegatronEngine(TrainEngine):
         return self.opt.scheduler
 
     # ---- forward ------------------------------------------------------------------------
-    def _forward_logits(self, model, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_logits(self, model, batch: SequenceBatch) -> torch.Tensor:
         """[B, T] ids -> [B, T, V/tp] logits (this rank's vocab slice)."""
-        b, t = ids.shape
-        ids = ids.to(self.device)
+        b, t = batch.input_ids.shape
+        ids = batch.input_ids.to(self.device)
         pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, -1)
         # causal mask passed explicitly: megatron's default builds it with device="cuda"; TE
         # layers apply causal masking themselves
@@ -266,66 +266,41 @@ class MegatronEngine(TrainEngine):
 
         return self.tracker.saved_tensors(category) if self.tracker is not None else nullcontext()
 
-    @torch.no_grad()
-    def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
-        model = self.ref_model if ref else self.model
-        if model is None:
-            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
-        model.eval()
+    # ---- the update loop's hooks (engine/backends/base.py) -------------------------------
+    def _begin_pass(self, model) -> None:
         self._refresh_fp8_weight_cache(model)
-        B, T = batch.input_ids.shape
-        out = torch.zeros(B, T)
-        ent_out = torch.zeros(B, T) if with_entropy else None
-        for mb in self._micro_batches(batch, observe=False):
-            logits = self._forward_logits(model, mb.batch.input_ids)
-            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy)
-            n, t = mb.num_rows, min(T, lp.shape[1])
-            out[mb.indices, :t] = lp[:n, :t].float().cpu()
-            if with_entropy:
-                ent_out[mb.indices, :t] = ent[:n, :t].float().cpu()
-        return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
 
-    def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
-        """One optimizer step on this DP group's share of a mini-batch."""
-        self.model.train()
-        stats = StepStats()
-        n_tokens, n_seqs = global_counts(batch, self.dp_group, self.dp_size)
-        needs_entropy = loss_fn.needs_entropy
-        self.model.zero_grad_buffer()
-        self._refresh_fp8_weight_cache(self.model)
-        sums: dict[str, float] = {}
-        for mb in self._micro_batches(batch):
-            with self._measure("activations") as meter:
-                if self.activation_offload is not None:  # what stays on the device is counted there
-                    self.activation_offload.meter = meter
-                logits = self._forward_logits(self.model, mb.batch.input_ids)
-            if self.tracker is not None:
-                self.tracker.record_tensors("logits", logits)
-            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
-            dev_mb = mb.batch.to(self.device)
-            loss, m = loss_fn(lp, ent if needs_entropy else ent.detach(), dev_mb, n_tokens, n_seqs)
-            loss.backward()
-            self._end_activation_offload()
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            stats.tokens += int(mb.real_tokens)
-            stats.padded_tokens += int(mb.padded_tokens)
-            stats.shapes.add(tuple(mb.shape))
+    def _begin_accumulation(self, model) -> None:
+        model.zero_grad_buffer()
+        self._refresh_fp8_weight_cache(model)
+
+    def _micro_batch_loss(self, mb, layout, loss_fn, n_tokens: float, n_seqs: float):
+        with self._measure("activations") as meter:
+            if self.activation_offload is not None:  # what stays on the device is counted there
+                self.activation_offload.meter = meter
+            logits = self._forward_logits(self.model, mb.batch)
+        if self.tracker is not None:
+            self.tracker.record_tensors("logits", logits)
+        lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
+        return loss_fn(lp, ent if loss_fn.needs_entropy else ent.detach(), mb.batch.to(self.device), n_tokens, n_seqs)
+
+    def _finish_gradients(self, model) -> None:
         # DP all-reduce of main_grad (finish_grad_sync) plus, under sequence parallelism, the
         # TP all-reduce of norm weights that each saw only a slice of the sequence
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model])
-        if self.tracker is not None:
-            self.tracker.sample_state()  # grads are live only until the step below
-        grad_norm = self.opt.step(self.cfg.optim.grad_clip)
-        self.opt.scheduler.step()
-        self._updates = getattr(self, "_updates", 0) + 1
-        self.bucket_policy.maybe_refresh(self._updates)
-        self._gen_stale = True
-        stats.metrics = sums
-        stats.replicated = {"grad_norm": float(grad_norm), "lr": self.opt.scheduler.get_last_lr()[0],
-                            "nonfinite_updates": 0.0 if math.isfinite(grad_norm) else 1.0}
+        finalize_model_grads([model])
+
+    def _clip_and_step(self, model, optimizer, clip: float) -> tuple[float, bool]:
+        norm = float(optimizer.step(clip))  # MainGradAdamW / MegatronOptimizer: clip, step (skipped on inf/nan)
+        return norm, math.isfinite(norm)
+
+    def _policy_optimizer(self):
+        return self.opt
+
+    def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
+        stats = super().train_step(batch, loss_fn)
+        self._gen_stale = True  # the generation model's weights are refreshed before the next rollout
         return stats
 
     # ---- rollout / export ---------------------------------------------------------------

@@ -15,109 +15,14 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from engine.backends.base import OffloadReport, StepStats, TrainEngine, global_counts
 from engine.algorithms.logprobs import token_log_probs
-from engine.backends.schedule import build_optimizer
+from engine.backends.base import OffloadReport, TrainEngine
+from engine.backends.fsdp.units import (check_fsdp_units, compile_decoder_blocks, decoder_blocks, eager_decoder_blocks,
+                                        fsdp_units, set_gradient_sync, use_cpu_matmul)
 from engine.backends.prompt_sharing import grouped_logits, response_log_probs
+from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
 from engine.batching.prompt_groups import group_prompts, to_response_columns
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks of any transformers model, found by class: the model's
-    ``_no_split_modules`` names them (LlamaDecoderLayer, GPT2Block, GPTNeoXLayer, ...). Works
-    through wrappers (PEFT) because it walks every submodule. Empty when the model does not
-    declare them: the caller then shards the root only."""
-    names: set[str] = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    if not names:
-        return []
-    # by MRO: fully_shard swaps a module's class for an FSDP subclass of it
-    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    # a declared class may also appear nested inside another declared one: keep the outermost
-    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
-    return [b for b in blocks if id(b) not in inner]
-
-
-def fsdp_units(engine_cfg, world_size: int, device: torch.device, dtype: str = "float32") -> str:
-    """What ``engine.fsdp_unit`` wraps in FSDP2 on this run: ``layer`` (every decoder layer its
-    own unit), ``model`` (one unit: one gather a pass instead of one a layer) or ``none`` (no
-    FSDP2: the plain model). On one rank there is nothing to shard or reduce, and FSDP2's
-    gather copies, hooks and DTensor dispatch are all cost: 5-20% of an update and the whole
-    gathered copy of the weights at the issue-17 shape on a CPU (docs/benchmarks.md), so
-    ``auto`` takes ``none`` on a one-rank CPU run of a float32 model (``model``, one unit, for a
-    low-precision one: FSDP2's mixed-precision policy is what casts its compute copy). On GPUs
-    and across ranks layers bound what is gathered at once. ``check_fsdp_units`` refuses an
-    explicit ``none`` where FSDP2 is needed."""
-    unit = getattr(engine_cfg, "fsdp_unit", "layer")
-    if unit == "auto":
-        if world_size == 1 and device.type == "cpu":
-            return "none" if dtype == "float32" else "model"
-        return "layer"
-    return unit
-
-
-def check_fsdp_units(units: str, world_size: int, dtype: str) -> None:
-    """A clear error for ``engine.fsdp_unit=none`` where FSDP2 is needed."""
-    from engine.errors import ConfigError
-
-    if units != "none":
-        return
-    if world_size > 1:
-        raise ConfigError(f"engine.fsdp_unit=none runs the plain model on one rank, but this run has {world_size} "
-                          f"ranks, which FSDP2 shards over. Use engine.fsdp_unit=auto (or layer/model), or one rank.",
-                          title="invalid config value")
-    if dtype != "float32":
-        raise ConfigError(f"engine.fsdp_unit=none keeps the parameters as they are, but model.dtype={dtype} computes "
-                          f"in a low-precision copy that FSDP2's mixed-precision policy makes. Use engine.fsdp_unit=auto "
-                          f"(or model/layer), or model.dtype=float32.", title="invalid config value")
-
-
-def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
-    """FSDP2's ``set_requires_gradient_sync`` (reduce gradients on this backward or not); a
-    plain model (``engine.fsdp_unit=none``) has nothing to reduce."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
-
-
-def compile_decoder_blocks(model: torch.nn.Module) -> int:
-    """``torch.compile`` the forward of every decoder block (engine.compile), as torchtitan and
-    torchtune do under FSDP2: the root's forward and the hooks fully_shard puts around each block
-    (gather before, free after, gradient reduction) stay eager, so a block computes on gathered
-    weights. Compiling the root forward instead bypassed the root's hooks and handed the blocks
-    sharded weights (a DTensor/tensor mix dynamo refused). One compiled graph serves every block
-    of a model (their code is the same; parameters are inputs). Returns how many were compiled."""
-    blocks = decoder_blocks(model)
-    for block in blocks:
-        block._rl_eager_forward = block.forward
-        block.forward = torch.compile(block.forward, dynamic=False)
-    return len(blocks)
-
-
-def use_cpu_matmul(engine_cfg, device: torch.device, *models) -> int:
-    """Route the linear layers of ``models`` (None skipped) through oneDNN when
-    ``engine.cpu_matmul`` resolves to it on ``device`` (engine/model/onednn_linear.py); returns
-    how many layers were swapped (0: torch's own ``F.linear``)."""
-    from engine.model.onednn_linear import resolve, use_onednn_linears
-
-    if resolve(getattr(engine_cfg, "cpu_matmul", "aten"), device) != "onednn":
-        return 0
-    return sum(use_onednn_linears(m) for m in models if m is not None)
-
-
-@contextmanager
-def eager_decoder_blocks(model: torch.nn.Module):
-    """The blocks' own (uncompiled) forwards inside the block: generation feeds them a new shape
-    at every token, which a ``dynamic=False`` graph would recompile for (then give up on)."""
-    swapped = [(b, b.forward) for b in decoder_blocks(model) if hasattr(b, "_rl_eager_forward")]
-    for b, _ in swapped:
-        b.forward = b._rl_eager_forward
-    try:
-        yield model
-    finally:
-        for b, compiled in swapped:
-            b.forward = compiled
 
 
 class FSDPEngine(TrainEngine):
@@ -129,7 +34,7 @@ class FSDPEngine(TrainEngine):
         # forward; bench/train_throughput.py --plain turns it off to compare)
         self.share_prompts = True
         self.lora_reference = None   # LoRA: {"rank", ..., "base_path", "base_sha256"} (engine.model.lora.inject)
-        self.critic = None  # engine.backends.critic.FSDPCritic (algorithm=ppo), set by the worker
+        self.critic = None  # engine.backends.fsdp.critic.FSDPCritic (algorithm=ppo), set by the worker
         self.router_replay = None  # engine.moe.router_replay.RouterReplay, set by build()
         self.fused_kernels: dict[str, int] = {}  # kind -> modules swapped (engine.fused_kernels)
         self.onednn_linears = 0  # linear layers multiplying through oneDNN (engine.cpu_matmul)
@@ -313,27 +218,6 @@ class FSDPEngine(TrainEngine):
         self.bucket_policy.observe([n for n, _ in local], [w for _, w in local])
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: SequenceBatch, ref: bool = False, with_entropy: bool = False):
-        model = self.ref_model if ref else self.model
-        if model is None:
-            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
-        model.eval()
-        B, T = batch.input_ids.shape
-        out = torch.zeros(B, T)
-        ent_out = torch.zeros(B, T) if with_entropy else None
-        for mb in self._micro_batches(batch, observe=False):
-            with self._replay(mb.batch, model):
-                logits = self._forward_logits(model, mb.batch)
-            lp, ent = token_log_probs(logits, mb.batch.input_ids.to(self.device), self.cfg.rollout.temperature,
-                                      with_entropy)
-            k, real = mb.num_rows, mb.indices >= 0  # rows past k are bucket padding; -1 = zero-weight twin
-            t = min(T, lp.shape[1])
-            out[mb.indices[real], :t] = lp[:k][real, :t].float().cpu()
-            if with_entropy:
-                ent_out[mb.indices[real], :t] = ent[:k][real, :t].float().cpu()
-        return out * batch.attention_mask, (ent_out * batch.attention_mask if with_entropy else None)
-
-    @torch.no_grad()
     def routing_report(self, batch: SequenceBatch) -> dict:
         """Partial sums of the routing metrics (engine/moe/routing_metrics.py) on this rank's
         rows: the policy's forward once with its own routing (captured and compared to the
@@ -369,42 +253,26 @@ class FSDPEngine(TrainEngine):
             sums.k3_replay += k32
         return sums.to_dict()
 
-    def train_step(self, batch: SequenceBatch, loss_fn) -> StepStats:
-        """One optimizer step on this rank's share of a mini-batch."""
-        stats = StepStats()
-        n_tokens, n_seqs = global_counts(batch, None, self.world_size)  # of every row, skipped or not
-        batch, sums = self._skip_idle_rows(batch, loss_fn, n_tokens, n_seqs)
-        self.model.train()
-        mbs = self._micro_batches(batch)
-        layouts = self._layouts(mbs)
-        for i, (mb, groups) in enumerate(zip(mbs, layouts)):
-            set_gradient_sync(self.model, i == len(mbs) - 1)
-            with self._replay(mb.batch, groups=groups):  # through backward: checkpointing recomputes them too
-                loss, m = self._micro_batch_loss(mb, groups, loss_fn, n_tokens, n_seqs)
-                loss.backward()
-            self._end_activation_offload()
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            stats.tokens += int(mb.real_tokens)
-            stats.padded_tokens += int(mb.padded_tokens)
-            stats.shapes.add(tuple(mb.shape))
-        clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if self.tracker is not None:
-            self.tracker.sample_state()  # grads are live only until the step below
-        finite = bool(torch.isfinite(grad_norm))  # the global norm: every rank decides the same
-        if finite:  # a nan/inf gradient would make every weight nan: the update is skipped (as verl does)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._scheduler.step()
-        self._updates += 1
-        self.bucket_policy.maybe_refresh(self._updates)
-        stats.metrics = sums
-        stats.replicated = {"grad_norm": float(grad_norm), "lr": self._scheduler.get_last_lr()[0],
-                            "nonfinite_updates": 0.0 if finite else 1.0}
-        return stats
+    # ---- the update loop's hooks (engine/backends/base.py) -------------------------------
+    def _token_log_probs(self, logits, input_ids, with_entropy: bool):
+        return token_log_probs(logits, input_ids.to(self.device), self.cfg.rollout.temperature, with_entropy)
+
+    def _forward_scope(self, model, batch: SequenceBatch, layout=None):
+        return self._replay(batch, model, layout)
+
+    def _backward_scope(self, model, batch: SequenceBatch, layout, last: bool):
+        set_gradient_sync(model, last)  # FSDP2 reduces gradients once, on the last micro-batch
+        return self._replay(batch, model, layout)  # through backward: checkpointing recomputes them too
+
+    def _clip_and_step(self, model, optimizer, clip: float) -> tuple[float, bool]:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        finite = bool(torch.isfinite(norm))  # the global norm: every rank decides the same
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm), finite
 
     def _micro_batch_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float):
         """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
@@ -424,33 +292,6 @@ class FSDPEngine(TrainEngine):
             lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
                             entropy_grad=loss_fn.needs_entropy)
         return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
-
-    def _skip_idle_rows(self, batch: SequenceBatch, loss_fn, n_tokens: float, n_seqs: float):
-        """(the rows to train on, the metric sums of the rows left out): rows whose advantage is 0
-        everywhere train nothing (engine/backends/zero_advantage.py); their metrics come from a
-        no-grad pass through the same loss function."""
-        from engine.backends.zero_advantage import skippable, split_rows
-
-        split = split_rows(batch, self.cfg.engine.skip_zero_advantage_rows and skippable(loss_fn))
-        skipping = torch.tensor([len(split.skip)])
-        if self.world_size > 1:
-            dist.all_reduce(skipping, op=dist.ReduceOp.MAX)
-        if not int(skipping):
-            return batch, {}
-        # every rank runs the no-grad pass so that its collectives line up; a rank that skips
-        # nothing runs it on one row and drops the result
-        idle = batch.select(split.skip or split.train[:1])
-        sums = {"rows_skipped": float(len(split.skip))}
-        self.model.train()  # the forward the update would have run, without its backward
-        mbs = self._micro_batches(idle, observe=False)
-        with torch.no_grad():
-            for mb, groups in zip(mbs, self._layouts(mbs)):
-                with self._replay(mb.batch, groups=groups):
-                    _, metrics = self._micro_batch_loss(mb, groups, loss_fn, n_tokens, n_seqs)
-                if split.skip:
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-        return batch.select(split.train), sums
 
     # ---- rollout ------------------------------------------------------------------------
     @contextmanager
