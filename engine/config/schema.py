@@ -304,6 +304,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`rl eval` (engine/evaluate/): which prompts, how many samples, where the responses go.
+    `rl train` does not read these keys."""
+
+    split: str = _f("held-out", "prompts to evaluate on: the task's held-out split (dataset tasks: task.val_split "
+                                "if set, else the rows the run held out) or its train split",
+                    choices=["held-out", "train"])
+    max_prompts: int = _f(0, "evaluate at most this many prompts of the split (its first ones); 0 = all", min=0)
+    greedy: bool = _f(True, "a greedy pass: one response per prompt (accuracy and reward)")
+    n: int = _f(0, "a sampled pass: this many responses per prompt at eval.temperature (mean accuracy, reward, "
+                   "pass@k); 0 = none", min=0)
+    k: list = _f([], "pass@k for these k (each at most eval.n), by the unbiased estimator 1 - C(n-c,k)/C(n,k); "
+                     "empty = 1, 2, 4, ... up to n, and n", item_min=1)
+    temperature: float = _f(1.0, "sampled pass: sampling temperature", above=0.0)
+    top_p: float = _f(1.0, "sampled pass: nucleus sampling mass, in (0, 1]; 1 = off", above=0.0, max=1.0)
+    seed: int = _f(0, "seeds the sampled pass's draws", min=0, max=2**32 - 1)
+    pass_threshold: float = _f(1.0, "tasks without a correctness check: a response counts as correct (accuracy, "
+                                    "pass@k) when its reward is at least this")
+    output: str = _f("eval.jsonl", "every response with its prompt, reward and data source, one JSON line each "
+                                   "(written atomically; an earlier rl eval output is replaced, any other file "
+                                   "refused); empty = none", expand_user=True)
+
+
+@dataclass
 class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -316,6 +340,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 ENGINE_CONFIGS: dict[str, type] = {"fsdp": FSDPEngineConfig, "megatron": MegatronEngineConfig}
