@@ -132,3 +132,19 @@ def test_every_engine_choice_is_registered_once_and_the_update_loop_is_not_overr
             assert loop not in vars(eng), f"{eng.__name__} overrides the shared {loop}"
         for loop in ("train_step", "compute_values"):
             assert loop not in vars(critic), f"{critic.__name__} overrides the shared {loop}"
+
+
+def test_driver_to_rank_calls_name_the_rank_method_they_run():
+    """Every call the driver fans out to the ranks (WorkerGroup._all) names a RankWorker method
+    itself, not a string: a reader, an editor's go-to-definition and a rename all follow it, and a
+    call to a method that does not exist fails here instead of mid-run."""
+    from engine.trainer.worker import RankWorker
+
+    tree = ast.parse((ROOT / "engine/trainer/worker_group.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "_all"]
+    assert len(calls) >= 8
+    for call in calls:
+        target = call.args[0]
+        assert isinstance(target, ast.Attribute) and ast.unparse(target.value) == "RankWorker", ast.unparse(call)
+        assert callable(vars(RankWorker).get(target.attr)), ast.unparse(target)

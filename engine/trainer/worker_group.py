@@ -15,12 +15,13 @@ import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.threads import omp_spin_count, rank_env, usable_cpus
 from engine.trainer.ray_cluster import get, timeout_error
+from engine.trainer.worker import RankWorker
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +65,6 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from engine.trainer.placement import create_placement_group, plan_placement
-        from engine.trainer.worker import RankWorker
 
         self.cfg = cfg
         # paths go to the ranks absolute: a rank's working directory is the driver's only on a
@@ -191,9 +191,11 @@ class WorkerGroup:
                            f"`rl resume {self.run_dir}` once the cluster has the ranks again.", title="rank lost")
         raise failure
 
-    def _all(self, method: str, per_rank_args: list[tuple], what: str):
+    def _all(self, method: Callable, per_rank_args: list[tuple], what: str):
+        """``method`` (a RankWorker method, e.g. ``RankWorker.train_step``: a reader follows it to the
+        code that runs) called on every rank with its own arguments; results in rank order."""
         self.bytes_sent += sum(wire_bytes(a) for a in per_rank_args)
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        refs = [getattr(a, method.__name__).remote(*args) for a, args in zip(self.actors, per_rank_args)]
         out = self._collect(refs, what)
         self.bytes_received += sum(wire_bytes(o) for o in out)
         return out
@@ -215,7 +217,7 @@ class WorkerGroup:
         # must sample: its first forward gathers each FSDP layer's weights, a collective the other
         # ranks wait in (an empty share was a traceback from the sampler; skipping it, a hang)
         args = [(shards[inf["dp_rank"]] or prompts[:1], n, greedy) for inf in self.info]
-        out = self._all("generate", args, "rollout")
+        out = self._all(RankWorker.generate, args, "rollout")
         from engine.batch import SequenceBatch
 
         parts = [out[self.dp_leaders[d]][0] for d in range(self.dp_size) if len(shards[d])]
@@ -225,7 +227,7 @@ class WorkerGroup:
     def log_probs(self, batch: SequenceBatch, ref: bool) -> torch.Tensor:
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        out = self._all("log_probs", [(shards[inf["dp_rank"]], ref) for inf in self.info],
+        out = self._all(RankWorker.log_probs, [(shards[inf["dp_rank"]], ref) for inf in self.info],
                         "reference log-probs" if ref else "old log-probs")
         import torch
 
@@ -243,7 +245,7 @@ class WorkerGroup:
 
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        out = self._all("routing_report", self._dp_args(shards), "the routing metrics")
+        out = self._all(RankWorker.routing_report, self._dp_args(shards), "the routing metrics")
         total = RoutingSums()
         for d in range(self.dp_size):
             total.add(RoutingSums(**out[self.dp_leaders[d]]))
@@ -255,14 +257,14 @@ class WorkerGroup:
 
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        outs = self._all("train_step", self._dp_args(shards), "the policy update")
+        outs = self._all(RankWorker.train_step, self._dp_args(shards), "the policy update")
         return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """PPO: the critic's values [B, T], gathered from the data-parallel ranks."""
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        out = self._all("values", self._dp_args(shards), "the critic's values")
+        out = self._all(RankWorker.values, self._dp_args(shards), "the critic's values")
         import torch
 
         full = torch.zeros(len(batch), batch.input_ids.shape[1])
@@ -277,20 +279,20 @@ class WorkerGroup:
 
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
-        outs = self._all("critic_train_step", self._dp_args(shards), "the critic update")
+        outs = self._all(RankWorker.critic_train_step, self._dp_args(shards), "the critic update")
         return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
     def save(self, run_dir: str, step: int) -> dict:
         """Every rank writes its shards; returns rank 0's non-tensor state (LR scheduler) and, under
         "files", every rank's {file: [bytes, content hash]} (hashed while written)."""
-        outs = self._all("save", [(_absolute(run_dir), step)] * len(self.actors), "the checkpoint save")
+        outs = self._all(RankWorker.save, [(_absolute(run_dir), step)] * len(self.actors), "the checkpoint save")
         files = {}
         for o in outs:
             files.update(o.get("files") or {})
         return outs[0] | {"files": files}
 
     def load(self, step_dir: str, plan: dict) -> list[dict]:
-        return self._all("load", [(_absolute(step_dir), plan)] * len(self.actors), "the checkpoint load")
+        return self._all(RankWorker.load, [(_absolute(step_dir), plan)] * len(self.actors), "the checkpoint load")
 
     def checkpoint_facts(self) -> dict:
         return self._collect([self.actors[0].checkpoint_facts.remote()], "checkpoint facts")[0]
@@ -299,11 +301,11 @@ class WorkerGroup:
         return self._collect([self.actors[0].bucket_state.remote()], "bucket state")[0]
 
     def onload(self, step: int) -> list[dict]:
-        return self._all("onload", [(step,)] * len(self.actors), "onload")
+        return self._all(RankWorker.onload, [(step,)] * len(self.actors), "onload")
 
     def offload(self) -> list[dict]:
         """Offload every rank; returns per-rank {"report", "memory": [phase records]}."""
-        return self._all("offload", [()] * len(self.actors), "offload")
+        return self._all(RankWorker.offload, [()] * len(self.actors), "offload")
 
     def shutdown(self, graceful: bool = True) -> None:
         """End every rank (``graceful``: let each finish its own shutdown first) and free the
