@@ -258,6 +258,9 @@ def test_checkpoint_table_and_step_dir(trained_run, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     text = flat(r.stdout)
     assert "step_2 (step 2)" in text and "rl checkpoint" in text and "pass@2" in text and "sort" in text, text
+    # eval.* keys on `rl resume` are refused naming rl eval (they would do nothing there)
+    r = cli("resume", str(trained_run), "trainer.total_steps=4", "eval.n=2", "--dry-run")
+    assert r.exit_code == 2 and "read by `rl eval`, not by training" in flat(r.output), r.output
 
 
 # ---------------------------------------------------------------------------------------------

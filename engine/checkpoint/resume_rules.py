@@ -85,6 +85,7 @@ REFUSED: dict[str, str] = {
     "optim.": "the optimizer's hyper-parameters and LR schedule are restored from the checkpoint, so a new "
               "value would be silently ignored",
     "algorithm.": "changes the objective the optimizer state was accumulated for",
+    "eval.": "read by `rl eval`, not by training; evaluate the checkpoint with `rl eval <checkpoint> eval...`",
     "rollout.temperature": "changes the sampling distribution the policy is trained on",
     "rollout.top_p": "changes the sampling distribution the policy is trained on",
     "rollout.max_new_tokens": "changes the sampling distribution the policy is trained on",
