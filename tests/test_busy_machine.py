@@ -35,14 +35,14 @@ import torch
 from engine.algorithms.advantages import grpo_advantages, token_advantages
 from engine.config.load import load_run_config
 from engine.trainer.worker import RankWorker
-from dataclasses import asdict
+from engine.config.resolved import resolve_run
 
 threads, blocks, per_block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfg = load_run_config(["model.hidden_size=128", "model.intermediate_size=256", "model.num_layers=2",
                        "rollout.max_new_tokens=16", "rollout.ignore_eos=true", "data.train_batch_size=8",
                        "algorithm.rollout_n=4", "trainer.device=cpu", "trainer.adapt_threads=true"]).config
 V = 64
-w = RankWorker(asdict(cfg), 0, 1, threads)
+w = RankWorker(resolve_run(cfg), 0, 1, threads)
 w.setup(*w.open_rendezvous(), "", {"size": V, "pad": 0, "eos": 1})
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(2, V, (12,), generator=g).tolist() for _ in range(8)]

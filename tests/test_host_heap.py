@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
 
 from engine.config.load import load_run_config
+from engine.config.resolved import resolve_run
 
 # Allocate and free a step's worth of activation-sized tensors twice; print the minor page
 # faults of the second "step", when the memory could have been reused.
@@ -55,7 +55,7 @@ def test_the_rank_tunes_its_heap_unless_keep_host_heap_is_false(monkeypatch, kee
     cfg = load_run_config(["trainer.device=cpu", f"trainer.keep_host_heap={str(keep).lower()}"]).config
     before = torch.get_num_threads()
     try:
-        worker.RankWorker(asdict(cfg), 0, 1, 1).shutdown()
+        worker.RankWorker(resolve_run(cfg), 0, 1, 1).shutdown()
     finally:
         torch.set_num_threads(before)
     assert calls == ([1] if keep else [])

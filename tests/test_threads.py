@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import engine.threads
 from engine.config.load import load_run_config
+from engine.config.resolved import resolve_run
 
 
 def test_thread_count_changes_float_sums_which_is_why_it_is_fixed_by_default():
@@ -42,7 +42,7 @@ def test_rank_keeps_its_threads_on_a_busy_machine_unless_adapt_threads(monkeypat
     cfg = load_run_config(["data.train_batch_size=2", "algorithm.rollout_n=2", "rollout.max_new_tokens=4",
                            "trainer.device=cpu", f"trainer.adapt_threads={str(adapt).lower()}"]).config
     before = torch.get_num_threads()
-    w = RankWorker(asdict(cfg), 0, 1, 2)
+    w = RankWorker(resolve_run(cfg), 0, 1, 2)
     try:
         w.setup(*w.open_rendezvous(), "", {"size": 64, "pad": 0, "eos": 1})
         w.onload(0)
@@ -65,7 +65,7 @@ def test_a_failing_preload_import_does_not_fail_the_rank_start(monkeypatch):
                            "trainer.device=cpu"]).config
     before = torch.get_num_threads()
     try:
-        RankWorker(asdict(cfg), 0, 1, 1).shutdown()
+        RankWorker(resolve_run(cfg), 0, 1, 1).shutdown()
     finally:
         torch.set_num_threads(before)
 

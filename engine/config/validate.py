@@ -287,11 +287,12 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                           f"trainer.ranks_per_node ({t.ranks_per_node or 'nprocs / nnodes'}). Set trainer.nprocs="
                           f"{t.nnodes * max(1, t.ranks_per_node or t.nprocs // t.nnodes)} or change the node layout.",
                           title="invalid config")
+    from engine.config.resolved import mini_batch_prompts, model_parallel_size
+
     e = cfg.engine
-    mp = e.tensor_model_parallel_size * e.pipeline_model_parallel_size * e.context_parallel_size \
-        if e.name == "megatron" else 1
+    mp = model_parallel_size(cfg)
     dp = max(1, t.nprocs // mp)
-    prompts = cfg.algorithm.ppo_mini_batch_size or cfg.data.train_batch_size  # per optimizer step
+    prompts = mini_batch_prompts(cfg)  # per optimizer step
     if prompts * cfg.algorithm.rollout_n < dp:  # a rank with no sequence to train on: a traceback from it
         what = "algorithm.ppo_mini_batch_size" if cfg.algorithm.ppo_mini_batch_size else "data.train_batch_size"
         raise ConfigError(

@@ -20,6 +20,7 @@ from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.checkpoint.run_files import truncate_jsonl
+from engine.config.resolved import mini_batch_prompts, updates_per_step
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
@@ -222,8 +223,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
 
     # 4. old log-probs
     t = time.perf_counter()
-    mini = cfg.algorithm.ppo_mini_batch_size or cfg.data.train_batch_size
-    n_updates = cfg.algorithm.ppo_epochs * (cfg.data.train_batch_size // mini)
+    mini, n_updates = mini_batch_prompts(cfg), updates_per_step(cfg)
     if n_updates > 1:  # with one update per step, old == current policy exactly
         batch.old_log_probs = workers.log_probs(batch, ref=False)
     routing = {}

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config.resolved import ResolvedRun
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
 from engine.host_heap import keep_host_heap
@@ -47,10 +48,9 @@ def _preload(cfg: RunConfig) -> None:
 
 
 class RankWorker:
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, threads: int):
-        from engine.config.validate import build_run_config
-
-        self.cfg: RunConfig = build_run_config(cfg_dict, check_environment=False)  # the loggers run on the driver
+    def __init__(self, run: ResolvedRun, rank: int, world_size: int, threads: int):
+        self.run = run  # resolved once on the driver (engine/config/resolved.py)
+        self.cfg: RunConfig = run.config
         self.rank, self.world_size = rank, world_size
         self._store_fd = None
         self.model_path, self.vocab = "", {}  # set by setup()
@@ -154,13 +154,11 @@ class RankWorker:
         return critic_class(self.cfg.engine.name)(self.cfg, self.engine)
 
     def _make_engine(self):
-        c = self.cfg
-        mini = c.algorithm.ppo_mini_batch_size or c.data.train_batch_size
-        updates = c.algorithm.ppo_epochs * (c.data.train_batch_size // mini)
         from engine.backends.registry import engine_class
 
+        c = self.cfg
         return engine_class(c.engine.name)(c, self.model_path, self.vocab["size"], self.vocab["pad"],
-                                           self.vocab["eos"], self.device, updates)
+                                           self.vocab["eos"], self.device, self.run.updates_per_step)
 
     # ---- phases -------------------------------------------------------------------------
     def onload(self, step: int) -> dict:

@@ -13,10 +13,11 @@ import os
 import pickle
 import secrets
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engine.config.resolved import resolve_run
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.threads import omp_spin_count, rank_env, usable_cpus
@@ -83,10 +84,10 @@ class WorkerGroup:
         self.plan = plan_placement(n, t.nnodes, t.ranks_per_node, t.placement, gpus)
         self.pg = create_placement_group(self.plan, self.timeout)
         actor = ray.remote(num_cpus=self.plan.rank_resources["CPU"], num_gpus=gpus)(RankWorker)
-        cfg_dict = asdict(cfg)
-        critic_path = cfg_dict["critic"]["model_path"]
+        critic_path = cfg.critic.model_path
         if critic_path and os.path.exists(critic_path):  # a local directory (else a hub id)
-            cfg_dict["critic"]["model_path"] = _absolute(critic_path)
+            cfg = replace(cfg, critic=replace(cfg.critic, model_path=_absolute(critic_path)))
+        run = resolve_run(cfg)  # once, here: the ranks neither validate nor derive it again
         # OpenMP waits (engine/threads.py): a short spin when this machine's cores are free for
         # the ranks it hosts, else passive
         local_ranks = t.ranks_per_node or (-(-n // t.nnodes) if t.nnodes else n)
@@ -94,7 +95,7 @@ class WorkerGroup:
         self.actors = [
             actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=self.plan.bundle_of_rank[r])
-            ).remote(cfg_dict, r, n, threads) for r in range(n)]
+            ).remote(run, r, n, threads) for r in range(n)]
 
     def start(self, model_path: str, vocab: dict) -> None:
         """Wait for the launched ranks, check that they share checkpoint.dir, open their process
