@@ -27,7 +27,9 @@ def one_process(args) -> dict:
     import resource
     import tempfile
 
-    import engine  # noqa: F401  (before torch: passive OpenMP waits)
+    from engine.threads import apply_process_defaults
+
+    apply_process_defaults()  # before torch: passive OpenMP waits (engine/threads.py)
     from engine.host_heap import keep_host_heap
 
     note = keep_host_heap() if args.tuned else "glibc defaults"

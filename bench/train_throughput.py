@@ -34,8 +34,9 @@ import sys
 import tempfile
 import time
 
-import engine  # noqa: F401  (before torch: passive OpenMP waits, engine/threads.py)
-from engine.threads import omp_spin_count, user_chose_omp_waits
+from engine.threads import apply_process_defaults, omp_spin_count, user_chose_omp_waits
+
+apply_process_defaults()  # before torch: passive OpenMP waits (engine/threads.py)
 
 if not user_chose_omp_waits():  # the waits a rank gets (trainer.omp_wait=auto), set before torch loads OpenMP
     os.environ["GOMP_SPINCOUNT"] = str(omp_spin_count("auto", int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))))

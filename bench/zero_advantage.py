@@ -20,7 +20,9 @@ import statistics
 import tempfile
 import time
 
-import engine  # noqa: F401  (before torch: passive OpenMP waits, engine/threads.py)
+from engine.threads import apply_process_defaults
+
+apply_process_defaults()  # before torch: passive OpenMP waits (engine/threads.py)
 import torch
 
 

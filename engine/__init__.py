@@ -1,4 +1,4 @@
-# Passive OpenMP waiting before torch loads its OpenMP runtime (engine/threads.py says why).
-from engine.threads import apply_process_defaults as _apply_thread_defaults
-
-_apply_thread_defaults()
+"""All of rl's behaviour (docs/architecture.md). Importing it changes nothing in the process:
+settings that belong to a process (OpenMP's waiting policy, before torch loads its runtime:
+engine/threads.py ``apply_process_defaults``) are applied where a process starts (the `rl`
+command, a benchmark's main, the test session), and passed on to the processes they spawn."""

@@ -29,6 +29,9 @@ for _name in COMMAND_MODULES:  # a missing or broken command module fails loudly
 
 
 def main() -> None:
+    from engine.threads import apply_process_defaults
+
+    apply_process_defaults()  # this process's OpenMP waits, before anything loads torch (engine/threads.py)
     if os.environ.get("_RL_COMPLETE"):  # a TAB: skip Typer's pydantic coercion and rich help rendering
         from rlcli.completion_keys import speed_up_completion
 

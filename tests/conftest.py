@@ -28,6 +28,10 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from engine.threads import apply_process_defaults  # noqa: E402
+
+apply_process_defaults()  # as the `rl` command does at its start: this process and every one it spawns
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -251,3 +251,28 @@ def test_a_cgroup_cpu_quota_caps_the_usable_cores(monkeypatch, tmp_path):
     assert threads.usable_cpus() == 2
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert threads.usable_cpus() == 64
+
+
+def test_importing_the_engine_changes_nothing_in_the_process():
+    """`import engine` (and its light modules) leaves the environment as it was: a library that
+    sets OpenMP variables on import changes a host program's threads behind its back. The `rl`
+    command applies rl's process defaults at its start instead (rlcli/main.py)."""
+    code = ("import os, json; before = dict(os.environ);"
+            "import engine, engine.threads, engine.config.load, engine.trainer.trainer, engine.backends.base;"
+            "print(json.dumps(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))))")
+    env = {k: v for k, v in os.environ.items() if k not in engine.threads.PASSIVE_OMP_ENV
+           and k != engine.threads.DEFAULTED_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_rl_command_applies_the_process_defaults_at_its_start():
+    env = {k: v for k, v in os.environ.items() if k not in engine.threads.PASSIVE_OMP_ENV
+           and k != engine.threads.DEFAULTED_ENV}
+    code = ("import os, sys; sys.argv = ['rl', '--help'];"
+            "import rlcli.main as m\ntry:\n    m.main()\nexcept SystemExit:\n    pass\n"
+            "print(os.environ.get('" + engine.threads.DEFAULTED_ENV + "', ''), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert set(r.stderr.strip().splitlines()[-1].split(",")) == set(engine.threads.PASSIVE_OMP_ENV), r.stderr
