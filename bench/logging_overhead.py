@@ -84,7 +84,7 @@ def replay(loggers: list[str], rows: list[dict], run: Path, steps: int, per_burs
     through Tracking, ending a burst every ``per_burst`` steps as a real run's BURST_S would."""
     from engine.config.validate import build_run_config
     from engine.tracking.fanout import Tracking
-    from engine.trainer.events import StepRecord
+    from engine.events import StepRecord
 
     cfg = build_run_config({"trainer": {"loggers": loggers}})
     run.mkdir(parents=True)

@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine.config.load import load_run_config
-    from engine.trainer.events import RunSummary, StepRecord, Validation
+    from engine.events import RunSummary, StepRecord, Validation
     from engine.trainer.trainer import train
 
     out = Path(args.out or tempfile.mkdtemp(prefix="rl-real-model-")) / "ckpt"

@@ -12,6 +12,10 @@ from typing import Optional
 
 import torch
 
+# what padding holds in a routing record (engine/moe/routing_records.py): a sequence's fields
+# pad here, so the batch owns the value and the MoE records take it from here
+NO_RECORD = -1
+
 
 @dataclass
 class SequenceBatch:
@@ -104,8 +108,6 @@ def pad_fill(name: str, pad_token_id: int = 0) -> int:
     if name == "input_ids":
         return pad_token_id
     if name == "routed_experts":
-        from engine.moe.routing_records import NO_RECORD
-
         return NO_RECORD
     return 0
 

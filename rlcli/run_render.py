@@ -67,7 +67,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
     from rlcli.render.progress import LiveArea, StepBar
     from rlcli.render.train import PhaseDisplay, StepPrinter, plan_table, summary_chart, summary_table
 
-    from engine.trainer.events import (Notice, PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunProgress,
+    from engine.events import (Notice, PhaseFinished, PhaseProgress, PhaseStarted, RunPlan, RunProgress,
                                        RunSummary, StepRecord, Validation)
     from engine.trainer.trainer import train
 

@@ -74,7 +74,7 @@ def test_a_phase_cut_short_is_not_reported_finished():
     """Ctrl-C during a checkpoint save printed "saved: <run>/step_N" although only .tmp-step_N
     existed: the finished event was emitted from a finally block."""
     from engine.tracking.progress import phase
-    from engine.trainer.events import PhaseFinished, PhaseStarted
+    from engine.events import PhaseFinished, PhaseStarted
 
     events = []
     with pytest.raises(KeyboardInterrupt):

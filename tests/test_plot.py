@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.tracking.jsonl_logger import JsonlLogger
-from engine.trainer.events import StepRecord, Validation
+from engine.events import StepRecord, Validation
 
 
 def rl(*args, timeout=300):

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from engine.tracking.eta import StepClock, eta_seconds, moving_average
-from engine.trainer.events import RunProgress, StepRecord
+from engine.events import RunProgress, StepRecord
 from rlcli.render.progress import LiveArea, StepBar, clock, per_step
 from rlcli.render.train import PhaseDisplay, StepPrinter
 

@@ -106,7 +106,7 @@ def test_policy_loss_reports_clip_fraction_and_rollout_kl():
 
 def test_step_metrics_use_the_four_namespaces():
     from engine.tracking.names import step_metrics
-    from engine.trainer.events import StepRecord
+    from engine.events import StepRecord
 
     rec = StepRecord(step=3, reward_mean=0.5, accuracy=None, kl=None, pg_loss=0.1, entropy=1.0, grad_norm=2.0,
                      lr=1e-3, response_len_mean=5.0, rollout_tokens_per_s=10.0, update_tokens_per_s=20.0,
@@ -137,7 +137,7 @@ def test_a_failing_logger_is_reported_as_a_user_error(tmp_path, monkeypatch):
     naming the logger (the CLI turns it into exit 2), not a thread's silent death."""
     from engine.config.validate import build_run_config
     from engine.tracking.fanout import Tracking
-    from engine.trainer.events import Validation
+    from engine.events import Validation
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://x")
     cfg = build_run_config({"trainer": {"loggers": ["jsonl", "mlflow"]}})

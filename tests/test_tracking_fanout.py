@@ -28,7 +28,7 @@ def offline(monkeypatch):
 
 
 def step(n: int, samples: bool = False):
-    from engine.trainer.events import StepRecord
+    from engine.events import StepRecord
 
     rec = StepRecord(step=n, reward_mean=0.1 * n, accuracy=None, kl=None, pg_loss=-0.5, entropy=2.0, grad_norm=1.0,
                      lr=1e-3, response_len_mean=8.0, rollout_tokens_per_s=1e4, update_tokens_per_s=1e4,

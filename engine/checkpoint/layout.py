@@ -10,7 +10,6 @@ the disk, never from a pointer file that can go stale.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -112,36 +111,6 @@ def manifest_file_problems(step_dir: Path, manifest: dict) -> list[str]:
         elif isinstance(size, int) and p.stat().st_size != size:
             problems.append(f"{rel} is {p.stat().st_size:,} bytes, {MANIFEST} says {size:,}")
     return problems
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to ``path`` so a crash leaves either the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:

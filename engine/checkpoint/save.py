@@ -21,8 +21,8 @@ import torch
 
 from engine.checkpoint.digest import (default_algorithm, hash_file, hashing_writer, json_bytes, seal_manifest,
                                       write_bytes_atomic)
-from engine.checkpoint.layout import (CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, fsync_dir, fsync_tree,
-                                      step_dir_name, write_json_atomic)
+from engine.atomic_files import fsync_dir, fsync_tree, write_json_atomic
+from engine.checkpoint.layout import CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, step_dir_name
 
 
 def tmp_dir(run_dir: Path, step: int) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine import json_safe
-from engine.checkpoint.layout import write_json_atomic
+from engine.atomic_files import write_json_atomic
 
 RECORD = "dataset.json"
 _SKIP = (".lock", ".incomplete")

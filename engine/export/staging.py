@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from engine.checkpoint.layout import fsync_dir, fsync_tree
+from engine.atomic_files import fsync_dir, fsync_tree
 from engine.errors import UserError
 from engine.sigterm import sigterm_as_exit
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch import NO_RECORD  # noqa: F401  (defined with the batch whose padding it is)
+
 ROUTING_DTYPE = torch.int16
-NO_RECORD = -1
 MAX_EXPERTS = torch.iinfo(ROUTING_DTYPE).max + 1  # expert ids 0..32767
 
 

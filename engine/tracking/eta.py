@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from engine.trainer.events import RunProgress
+from engine.events import RunProgress
 
 ETA_WINDOW = 10  # steps in the moving average
 

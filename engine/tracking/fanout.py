@@ -27,7 +27,7 @@ from engine.tracking.base import Logger, LoggerContext
 from engine.tracking.jsonl_logger import JsonlLogger
 from engine.tracking.names import step_metrics, validation_metrics
 from engine.tracking.samples import append_samples
-from engine.trainer.events import PhaseFinished, Samples, StepRecord, Validation
+from engine.events import PhaseFinished, Samples, StepRecord, Validation
 
 BACKGROUND = ("tensorboard", "wandb", "mlflow")
 BURST_S = 5.0   # the loggers get a step at most this many seconds after it ends (and at close)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from engine.trainer.events import PhaseFinished, PhaseProgress, PhaseStarted
+from engine.events import PhaseFinished, PhaseProgress, PhaseStarted
 
 
 def tree_bytes(*paths: Path) -> int:

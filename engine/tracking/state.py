@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import json_safe
-from engine.checkpoint.layout import write_json_atomic
+from engine.atomic_files import write_json_atomic
 
 STATE_FILE = "tracking.json"
 

@@ -9,8 +9,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.checkpoint.layout import (RUN_FORMAT, TMP_PREFIX, VERSION, latest_complete, list_steps, prune,
-                                      write_json_atomic)
+from engine.atomic_files import write_json_atomic
+from engine.checkpoint.layout import RUN_FORMAT, TMP_PREFIX, VERSION, latest_complete, list_steps, prune
 from engine.config.schema import RunConfig
 from engine.env_info import package_versions
 from engine.errors import UserError

@@ -23,7 +23,7 @@ from typing import Callable
 from engine.checkpoint.layout import TMP_PREFIX, complete_steps, latest_complete
 from engine.config.schema import RunConfig
 from engine.errors import UserError
-from engine.trainer.events import Notice
+from engine.events import Notice
 from engine.trainer.io_errors import describe_os_error, disk_error_in, file_system_problem
 from engine.trainer.preflight import preflight
 from engine.trainer.run_dir import RunDir

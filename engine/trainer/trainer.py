@@ -30,7 +30,7 @@ from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
 from engine.tracking.samples import SAMPLES_FILE, is_sample_step, pick_rows
 from engine.trainer.data import PromptStream
-from engine.trainer.events import RunPlan, RunSummary, StepRecord, Validation
+from engine.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
 from engine.trainer.setup import RunInputs
 
