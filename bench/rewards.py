@@ -46,7 +46,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine.rewards.compute import RewardRunner, samples_of
     from engine.rewards.spec import RewardFnSpec
-    from engine.tasks.base import Example
+    from engine.data.example import Example
 
     examples = [Example(f"q{i}", str(i % 7), {"level": i % 3}, f"bench row {i}") for i in range(args.samples)]
     samples = samples_of(examples, [str(i % 5) for i in range(args.samples)])

@@ -349,7 +349,7 @@ def test_every_builtin_task_refuses_a_reward_fn():
     instead of silently ignoring it."""
     from engine.config.load import load_run_config
     from engine.errors import ConfigError
-    from engine.tasks.registry import BUILTIN_TASKS
+    from engine.config.schema import BUILTIN_TASKS
     from engine.trainer.preflight import check_reward
 
     assert "sort" in BUILTIN_TASKS

@@ -228,7 +228,7 @@ def test_a_saved_config_naming_a_logger_not_installed_here_can_drop_it(monkeypat
     checked against this machine's packages before the overrides applied. `rl mem-report` of such
     a run gave no estimate, and a rank (a cluster node without wandb) would refuse the config too.
     The packages and WANDB_MODE are checked on the config that runs."""
-    import engine.tracking.registry as registry
+    import engine.config.loggers as registry
     from engine.config.load import apply_overrides_to, config_from_dict, load_run_config
     from engine.config.validate import build_run_config
     from engine.errors import ConfigError

@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.config.schema import CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, RunConfig
+from engine.config.schema import BUILTIN_TASKS, CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, RunConfig
 from engine.config.validate import build_run_config, check_key, suggest
 from engine.errors import ConfigError
 
@@ -191,8 +191,6 @@ def check_task_keys(cfg: RunConfig, overrides: list[str]) -> None:
     """Dataset keys given to a built-in task are an error: the built-in tasks generate their prompts,
     so `task.path=prompts.jsonl` without `task=dataset` (or jsonl/parquet) trained the built-in task
     and ignored the file."""
-    from engine.tasks.registry import BUILTIN_TASKS
-
     if cfg.task.name not in BUILTIN_TASKS:
         return
     given = [o for o in overrides if parse_override(o)[1] in DATASET_ONLY_TASK_KEYS]

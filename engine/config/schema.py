@@ -78,10 +78,14 @@ class DataConfig:
                                        "refusing them")
 
 
+BUILTIN_TASKS = ("echo", "add", "arith", "sort")  # generated prompts, scored by their own rule (engine/tasks)
+DATASET_TASKS = ("dataset", "jsonl", "parquet")  # the user's data, one loader (engine/data)
+
+
 @dataclass
 class TaskConfig:
     name: str = _f("echo", "built-in task, or dataset (jsonl/parquet: the same loader) for your own data",
-                   choices=["echo", "add", "arith", "sort", "dataset", "jsonl", "parquet"])
+                   choices=[*BUILTIN_TASKS, *DATASET_TASKS])
     path: str = _f("", "dataset: a Parquet/JSONL/JSON/Arrow file, a save_to_disk or data-file directory, or a "
                        "dataset name in the local Hugging Face cache")
     format: str = _f("auto", "dataset row layout: text (prompt + answer columns), verl (chat prompt, "

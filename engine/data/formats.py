@@ -14,7 +14,7 @@ reaches the reward function as a keyword argument; verl rows also get ``ground_t
 from __future__ import annotations
 
 from engine.errors import ConfigError
-from engine.tasks.base import Example
+from engine.data.example import Example
 
 FORMATS = ("text", "verl", "trl")
 

@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 from engine.config.schema import TaskConfig
 from engine.errors import ConfigError
-from engine.tasks.base import Example, Task
+from engine.data.example import Example
+from engine.tasks.base import Task
 
 FORMAT_INSTRUCTION = 'End your reply with the final answer as "Answer: <number>".'
 

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-
-@dataclass(frozen=True)
-class Example:
-    prompt: Any          # text, or a list of {role, content} messages (rendered with the chat template)
-    answer: Any          # reference passed to the reward function (usually a string)
-    row: dict = field(default_factory=dict, compare=False)   # other columns, passed to the reward by name
-    origin: str = field(default="", compare=False)           # "train.parquet row 17", for error messages
+from engine.data.example import Example
 
 
 # reward(prompt, response, answer) -> float in [0, 1] for built-in tasks

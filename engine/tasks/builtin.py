@@ -7,7 +7,8 @@ import random
 import string
 
 from engine.config.schema import TaskConfig
-from engine.tasks.base import Example, Task
+from engine.data.example import Example
+from engine.tasks.base import Task
 
 ECHO_LENGTH = 6
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 from engine.config.schema import TaskConfig
 from engine.tasks.base import Task
 
-FILE_TASKS = ("dataset", "jsonl", "parquet")  # one loader; jsonl/parquet are kept as aliases
-BUILTIN_TASKS = ("echo", "add", "arith", "sort")  # generated prompts, scored by their own rule
-
 
 def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "echo":

@@ -14,7 +14,8 @@ import string
 
 from engine.config.schema import TaskConfig
 from engine.errors import ConfigError
-from engine.tasks.base import Example, Task
+from engine.data.example import Example
+from engine.tasks.base import Task
 
 SORT_LENGTH = 4   # the default of task.sort_length
 

@@ -134,7 +134,7 @@ def _check_device(cfg: RunConfig) -> str:
 def check_reward(cfg: RunConfig, resume: bool) -> str:
     """A dataset task's reward functions import and fit their calling convention (checked by
     engine.rewards.spec, which owns the conventions); a built-in task takes none."""
-    from engine.tasks.registry import BUILTIN_TASKS  # they score with their own rule: reward_fn does not apply
+    from engine.config.schema import BUILTIN_TASKS  # they score with their own rule: reward_fn does not apply
 
     t = cfg.task
     named = [x for x in [t.reward_fn, *list(t.reward_fns or []), t.correct_fn] if x]
