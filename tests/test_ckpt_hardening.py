@@ -68,7 +68,7 @@ def test_self_referencing_container_is_refused_not_recursion_error(tmp_path, kin
 
 
 def test_deep_nesting_and_huge_allocations_are_refused():
-    from engine.inspect.safe_unpickle import PickleTooLargeError, load_pickle
+    from engine.checkpoint.io.safe_unpickle import PickleTooLargeError, load_pickle
 
     deep = b"\x80\x02" + b"(" * 500 + b"]" + b"l" * 500 + b"."  # 500 nested lists, built iteratively
     with pytest.raises(PickleTooLargeError, match="nests containers more than"):
@@ -261,7 +261,7 @@ def test_yaml_alias_bomb_in_config_yaml_is_refused_in_bounded_time(tmp_path):
     import time
 
     from engine import yaml_safe
-    from engine.inspect.files import read_yaml
+    from engine.checkpoint.io.files import read_yaml
     from engine.trainer.run_dir import RunDir
 
     (tmp_path / "config.yaml").write_text(yaml_bomb())

@@ -19,7 +19,7 @@ from engine.errors import CheckpointError
 from engine.inspect import diff_paths, inspect_path
 from engine.inspect.config_check import check_config
 from engine.inspect.report import CheckpointReport, RunReport
-from engine.inspect.safe_unpickle import UnsafePickleError
+from engine.checkpoint.io.safe_unpickle import UnsafePickleError
 from tests import inspect_fixtures as fx
 
 # ----------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def test_cli_table_and_json_carry_the_same_facts(rl_run):
     assert res.exit_code == 0
     data = json.loads(res.stdout)
     assert data["kind"] == "checkpoint" and data["step"] == 20 and data["complete"] is True
-    from engine.inspect.files import human_bytes
+    from engine.checkpoint.io.files import human_bytes
 
     for g in data["groups"]:
         row = next(line for line in table.output.splitlines() if f" {g['group']} " in line)

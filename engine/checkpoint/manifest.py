@@ -10,7 +10,7 @@ from engine.errors import CheckpointError
 
 
 def read_manifest(step: StepDir) -> dict:
-    from engine.inspect.files import read_json
+    from engine.checkpoint.io.files import read_json
 
     try:
         m = read_json(step.path / MANIFEST, what=str(step.path / MANIFEST))
@@ -39,7 +39,7 @@ def saved_entries(state_dir: Path, shown: str, *, read_values: bool = False):
     """Names and shapes of everything in a DCP directory (metadata, restricted unpickler).
     ``read_values``: also read every non-tensor entry through the restricted unpickler, so a
     value that would run code is refused here, before any rank loads it."""
-    from engine.inspect.dcp import raise_problems, read_dcp, read_object_values
+    from engine.checkpoint.io.dcp import raise_problems, read_dcp, read_object_values
 
     contents = read_dcp(state_dir, display=shown)
     raise_problems(shown, contents.problems)

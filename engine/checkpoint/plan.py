@@ -155,7 +155,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     step, root = loc.step, loc.run_root
     manifest = read_manifest(step)
     from engine.checkpoint.verify import raise_if_corrupt, verify_step
-    from engine.inspect.files import read_json
+    from engine.checkpoint.io.files import read_json
 
     verification = verify_step(step.path, manifest, content=verify)
     raise_if_corrupt(verification, f" Resume an earlier checkpoint.{earlier_hint(root, step)}")
@@ -240,7 +240,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         else:
             refusals.append(refuse_missing(entries.missing, step.path).message)
 
-    from engine.inspect.safe_unpickle import read_torch_archive
+    from engine.checkpoint.io.safe_unpickle import read_torch_archive
 
     for f in sorted((step.path / "rng").glob("rank_*.pt")):  # restricted reader: refuses garbage and code
         read_torch_archive(f, display=str(f))

@@ -59,7 +59,7 @@ def load_rng_file(path: Path) -> dict:
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     core = getattr(np, "_core", None) or getattr(np, "core")
     allowed.append(core.multiarray._reconstruct)
-    from engine.inspect.files import require_regular_file
+    from engine.checkpoint.io.files import require_regular_file
 
     require_regular_file(Path(path), str(path))
     try:
@@ -91,7 +91,7 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     t0 = time.perf_counter()
     step_dir = Path(step_dir)
     manifest = read_manifest(StepDir(step_dir, int(plan.get("step", manifest_step(step_dir)))))
-    from engine.inspect.files import read_json
+    from engine.checkpoint.io.files import read_json
 
     trainer_state = read_json(step_dir / "trainer.json", what=f"{step_dir}/trainer.json")
     if not isinstance(trainer_state, dict):

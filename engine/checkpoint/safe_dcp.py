@@ -14,7 +14,7 @@ entry (our optimizer param-group values). A crafted shard can make either call a
 
 A refusal is a :class:`~engine.errors.CheckpointError` (exit 2). The driver has, before any
 rank starts, already read the same bytes through the inspector's restricted unpickler
-(engine/inspect/safe_unpickle.py), so this is the second of two independent guards.
+(engine/checkpoint/io/safe_unpickle.py), so this is the second of two independent guards.
 """
 
 from __future__ import annotations

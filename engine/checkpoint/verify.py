@@ -191,7 +191,7 @@ def _int(x) -> Optional[int]:
 def consistency_problems(step_dir: Path, manifest: dict, trainer: Optional[dict] = None,
                          saved_names: Optional[set[str]] = None) -> list[str]:
     """The manifest against trainer.json and the DCP metadata (read here unless given)."""
-    from engine.inspect.files import read_json
+    from engine.checkpoint.io.files import read_json
 
     problems: list[str] = []
     if trainer is None:
@@ -202,7 +202,7 @@ def consistency_problems(step_dir: Path, manifest: dict, trainer: Optional[dict]
     if not isinstance(trainer, dict):
         return ["trainer.json is not a JSON object"]
     if saved_names is None:
-        from engine.inspect.dcp import read_dcp
+        from engine.checkpoint.io.dcp import read_dcp
 
         try:
             c = read_dcp(step_dir / "state", display=f"{step_dir.name}/state")

@@ -58,7 +58,7 @@ def locate(path: Path) -> SourceCheckpoint:
     raise_if_corrupt(verify_step(step_dir, manifest, content=True), hint)
     # every pickle in the step through the restricted unpickler, as `rl resume` does, before DCP
     # sees any of it: a checkpoint crafted to run code is refused whole, not only where export reads
-    from engine.inspect.safe_unpickle import read_torch_archive
+    from engine.checkpoint.io.safe_unpickle import read_torch_archive
 
     saved_entries(step_dir / "state", str(step_dir / "state"), read_values=True)
     for f in sorted((step_dir / "rng").glob("rank_*.pt")):

@@ -3,7 +3,7 @@
 Entry points: :func:`inspect_path` (any supported layout -> a report), :func:`diff_paths`
 (two checkpoints -> what changed). Readers live one per format in this package;
 :mod:`engine.inspect.detect` picks one. Pickles are read by
-:mod:`engine.inspect.safe_unpickle` only; torch is never imported.
+:mod:`engine.checkpoint.io.safe_unpickle` only; torch is never imported.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import CheckpointError
+from engine.checkpoint.io.dcp import is_dcp_dir
 from engine.inspect import dcp, hf_export, hf_safetensors, megatron_dist, rl_checkpoint, torch_save, verl_fsdp
-from engine.inspect.files import human_bytes
-from engine.inspect.safe_unpickle import ZIP_MAGIC
+from engine.checkpoint.io.files import human_bytes
+from engine.checkpoint.io.safe_unpickle import ZIP_MAGIC
 
 # format key -> (reader, what it is, for messages and --help)
 READERS: dict[str, tuple[Callable, str]] = {
@@ -53,7 +54,7 @@ def detect(path: Path) -> str:
     if path.is_file():
         return _detect_file(path)
     if not path.is_dir():  # a FIFO, a device (/dev/zero), a socket: never opened
-        from engine.inspect.files import require_regular_file
+        from engine.checkpoint.io.files import require_regular_file
 
         require_regular_file(path, str(path))
     if rl_checkpoint.is_rl_step(path):
@@ -68,7 +69,7 @@ def detect(path: Path) -> str:
         return "verl-run"
     if verl_fsdp.is_verl_step(path) or verl_fsdp.is_verl_component(path):
         return "verl-fsdp"
-    if dcp.is_dcp_dir(path):
+    if is_dcp_dir(path):
         return "dcp"
     if hf_export.is_peft_adapter(path):
         return "peft-adapter"
@@ -85,7 +86,7 @@ def _detect_file(path: Path) -> str:
     if path.name.endswith(".safetensors.index.json"):
         raise CheckpointError(f"{path} is a safetensors index; pass its directory "
                               f"({path.parent}) to inspect all shards.", title="pass the directory")
-    from engine.inspect.files import require_regular_file
+    from engine.checkpoint.io.files import require_regular_file
 
     require_regular_file(path, str(path))
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from engine.inspect.files import read_json
+from engine.checkpoint.io.files import read_json
 from engine.inspect.hf_safetensors import inspect_safetensors
 from engine.inspect.report import CheckpointReport
 

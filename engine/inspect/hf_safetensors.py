@@ -15,8 +15,8 @@ from typing import Optional
 
 from engine import json_safe
 from engine.errors import CheckpointError
-from engine.inspect.dtypes import SAFETENSORS_DTYPES
-from engine.inspect.files import human_bytes, list_files, read_json
+from engine.checkpoint.io.dtypes import SAFETENSORS_DTYPES
+from engine.checkpoint.io.files import human_bytes, list_files, read_json
 from engine.inspect.report import CheckpointReport, TensorInfo
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library refuses larger headers too

@@ -18,11 +18,11 @@ from typing import Optional
 
 from engine.errors import CheckpointError
 from engine.inspect.coverage import megatron_coverage
-from engine.inspect.dcp import raise_problems, read_dcp
-from engine.inspect.files import dir_size, list_files, read_json
-from engine.inspect.grouping import guess_group
+from engine.checkpoint.io.dcp import raise_problems, read_dcp
+from engine.checkpoint.io.files import dir_size, list_files, read_json
+from engine.checkpoint.io.grouping import guess_group
 from engine.inspect.report import CheckpointReport, ObjectInfo, RunReport, StepInfo
-from engine.inspect.safe_unpickle import Record, UnsafePickleError, read_torch_archive
+from engine.checkpoint.io.safe_unpickle import Record, UnsafePickleError, read_torch_archive
 from engine.inspect.torch_save import entries, to_plain
 
 METADATA = "metadata.json"

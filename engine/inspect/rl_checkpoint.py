@@ -17,12 +17,13 @@ from engine.checkpoint.layout import (MANIFEST, RNG_FILE_RE, STEP_RE, TMP_STEP_R
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
 from engine.inspect.coverage import rl_coverage
-from engine.inspect.dcp import fill_object_previews, read_dcp
-from engine.inspect.files import dir_size, list_files, read_json, read_yaml
-from engine.inspect.grouping import rl_group
+from engine.checkpoint.io.dcp import read_dcp
+from engine.inspect.dcp import fill_object_previews
+from engine.checkpoint.io.files import dir_size, list_files, read_json, read_yaml
+from engine.checkpoint.io.grouping import rl_group
 from engine.inspect.report import (CheckpointReport, FileInfo, ObjectInfo, RunReport,
                                    StepInfo)
-from engine.inspect.safe_unpickle import read_torch_archive
+from engine.checkpoint.io.safe_unpickle import read_torch_archive
 from engine.inspect.torch_save import entries
 
 

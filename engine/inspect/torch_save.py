@@ -1,7 +1,7 @@
 """Reader for plain ``torch.save`` files (zip archives), and the tree walk other readers share.
 
 The object tree comes from ``data.pkl`` through the restricted unpickler; tensors arrive as
-:class:`~engine.inspect.safe_unpickle.TensorRef` (dtype, shape, storage key), so no tensor
+:class:`~engine.checkpoint.io.safe_unpickle.TensorRef` (dtype, shape, storage key), so no tensor
 data is read. :func:`flatten` turns the tree into named entries (``optimizer.state.0.exp_avg``).
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from engine.inspect.files import list_files
-from engine.inspect.grouping import guess_group
+from engine.checkpoint.io.files import list_files
+from engine.checkpoint.io.grouping import guess_group
 from engine.inspect.report import CheckpointReport, ObjectInfo, TensorInfo
-from engine.inspect.safe_unpickle import (DTypeName, NdarrayRef, NumpyScalar, Record,
+from engine.checkpoint.io.safe_unpickle import (DTypeName, NdarrayRef, NumpyScalar, Record,
                                           TensorRef, read_torch_archive)
 
 _NUMPY_DTYPES = {"f8": "float64", "f4": "float32", "f2": "float16", "i8": "int64",

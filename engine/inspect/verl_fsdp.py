@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Optional
 
 from engine.errors import CheckpointError
-from engine.inspect.files import dir_size, list_files, read_json
-from engine.inspect.grouping import guess_group
+from engine.checkpoint.io.files import dir_size, list_files, read_json
+from engine.checkpoint.io.grouping import guess_group
 from engine.inspect.report import CheckpointReport, RunReport, StepInfo, TensorInfo
-from engine.inspect.safe_unpickle import UnsafePickleError, read_torch_archive
+from engine.checkpoint.io.safe_unpickle import UnsafePickleError, read_torch_archive
 from engine.inspect.torch_save import entries
 
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")

@@ -241,7 +241,7 @@ def check_model_files(path: str, raw_config: dict | None = None) -> None:
                 raise _custom_code_refusal(path, "tokenizer_config.json", "tokenizer",
                                            json.dumps(tok["auto_map"])[:200])
     from engine.errors import CheckpointError
-    from engine.inspect.safe_unpickle import ZIP_MAGIC, read_torch_archive
+    from engine.checkpoint.io.safe_unpickle import ZIP_MAGIC, read_torch_archive
 
     for pattern in PICKLED_WEIGHTS:
         for f in sorted(Path(path).glob(pattern)):

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engine.inspect.files import human_bytes
+from engine.checkpoint.io.files import human_bytes
 
 MAX_ROWS = 40  # per table; --json has them all
 MAX_NAMES = 5  # names listed inline in a coverage row

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from engine.errors import CheckpointError
-from engine.inspect.dtypes import is_dtype_name, storage_dtype
+from engine.checkpoint.io.dtypes import is_dtype_name, storage_dtype
 
 
 class UnsafePickleError(CheckpointError):
@@ -550,7 +550,7 @@ def read_torch_archive(path: Path, *, display: Optional[str] = None) -> TorchArc
     (including anything that is not a regular file: a FIFO or device is never opened).
     """
     source = display or str(path)
-    from engine.inspect.files import require_regular_file
+    from engine.checkpoint.io.files import require_regular_file
 
     require_regular_file(Path(path), source)
     try:

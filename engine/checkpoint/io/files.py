@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from engine import json_safe
 from engine.errors import CheckpointError
-from engine.inspect.report import FileInfo
+from engine.checkpoint.io.records import FileInfo
 
 
 def list_files(root: Path, *, relative_to: Optional[Path] = None) -> list[FileInfo]:
