@@ -51,7 +51,8 @@ def test_unknown_group_option_lists_options():
 
 def test_engine_specific_key_refused_on_other_engine():
     """tensor_model_parallel_size is a megatron key: under fsdp it is refused with a pointer."""
-    with pytest.raises(ConfigError, match="another engine"):
+    with pytest.raises(ConfigError, match=r"read only with engine=megatron, and this run's engine is `fsdp`.*"
+                                          r"choose `--engine megatron`"):
         load_run_config(["engine.tensor_model_parallel_size=2"])
     cfg = load_run_config(["engine.tensor_model_parallel_size=2", "trainer.nprocs=2"], engine="megatron").config
     assert cfg.engine.tensor_model_parallel_size == 2

@@ -96,7 +96,7 @@ def test_environment_interpolations_in_the_file_resolve_and_stay_unsaved(tmp_pat
     ("trainer:\n  total_step: 3\n", "Unknown config key `trainer.total_step`. Did you mean `trainer.total_steps`?"),
     ("trainer:\n  total_steps: abc\n", "`trainer.total_steps` must be an integer; got 'abc'"),
     ("trainer:\n  total_steps: 0\n", "`trainer.total_steps` must be >= 1"),
-    ("engine:\n  tensor_model_parallel_size: 2\n", "`engine.tensor_model_parallel_size` belongs to another engine"),
+    ("engine:\n  tensor_model_parallel_size: 2\n", "`engine.tensor_model_parallel_size` has no effect: it is read only with engine=megatron"),
     ("task:\n  path: prompts.jsonl\n", "`task.path=prompts.jsonl` is a dataset key, but the task is the built-in"),
     ("algorithm: {name: grpoo}\n", "`algorithm.name` must be one of"),
     ("trainer: {project: '${nope.x}'}\n", "`trainer.project` refers to `${nope.x}`, which is not a config key"),

@@ -86,7 +86,14 @@ def render_reference() -> str:
            "Set any key on the command line: `rl train section.key=value`. Groups pick a preset file: "
            + ", ".join(f"`{g}=`" for g in CONFIG_GROUPS) + ".",
            "Start from a YAML file of keys with `rl train --config FILE` (a run's own config.yaml reproduces the run); "
-           "`rl config show` prints the composed config (docs/config-files.md).", ""]
+           "`rl config show` prints the composed config (docs/config-files.md).",
+           "A key marked *only with* is read by those options of its group alone (the schema's `only_for`); "
+           "setting it while another option is chosen would do nothing, and is refused naming both "
+           "(engine/config/owned_keys.py). The other engine's keys (its own table below) are refused the same way.",
+           ""]
+    from engine.config.owned_keys import owned_keys
+
+    owned = owned_keys()
     for section, cls in section_types().items():
         classes = ENGINE_CONFIGS.values() if section == "engine" else [cls]
         for c in classes:
@@ -99,7 +106,9 @@ def render_reference() -> str:
                     allowed = f"{m.get('min', '')} .. {m.get('max', '')}"
                 if "above" in m:
                     allowed = f"> {m['above']}" + (f" .. {m['max']}" if "max" in m else "")
-                out.append(f"| `{key}` | `{_yaml_value(_default(f))}` | {allowed} | {m.get('help', '')} |")
+                only = "; ".join(" or ".join(f"{g}={o}" for o in opts) for g, opts in owned.get(key, {}).items())
+                meaning = m.get("help", "") + (f" *Only with {only}.*" if only else "")
+                out.append(f"| `{key}` | `{_yaml_value(_default(f))}` | {allowed} | {meaning} |")
             out.append("")
     from engine.config.removed_keys import REMOVED_KEYS
 

@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine.config.owned_keys import check_overrides_take_effect
 from engine.config.schema import BUILTIN_TASKS, CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, RunConfig
 from engine.config.validate import build_run_config, check_key, suggest
 from engine.errors import ConfigError
@@ -236,10 +237,12 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
     except ConfigError as e:
         raise _from_file(e, cfile, file_values) from None
     check_task_keys(cfg, overrides)
+    check_overrides_take_effect(cfg, [o for o in overrides if parse_override(o)[1] not in CONFIG_GROUPS])
     groups = {g: _chosen(overrides, g) for g in CONFIG_GROUPS}
     defaults = _defaults(groups["engine"])
     if cfile is not None:
         _check_file_task_keys(cfg, cfile, file_values, defaults)
+        _check_file_keys_take_effect(cfg, cfile, file_values, groups)
     changed = {k: (a, env_refs[k] if k in env_refs else b) for k, (a, b) in diff_configs(defaults, cfg).items()}
     return LoadedConfig(cfg, overrides, groups, changed, env_refs, cfile.path if cfile is not None else "")
 
@@ -292,6 +295,23 @@ def _check_file_task_keys(cfg: RunConfig, cfile, file_values: dict, defaults: Ru
         check_task_keys(cfg, given)
     except ConfigError as e:
         raise cfile.error(e) from None
+
+
+def _check_file_keys_take_effect(cfg: RunConfig, cfile, file_values: dict, groups: dict[str, str]) -> None:
+    """A key the file sets away from what its groups give, which the chosen engine, rollout or
+    algorithm ignores: the error an override gets, naming the file. A run's config.yaml holds
+    every key, at the values its groups give where the run did not read them: no conflict."""
+    given = flatten(asdict(_group_defaults(tuple(sorted(groups.items())))))
+    try:
+        check_overrides_take_effect(cfg, [f"{k}={v}" for k, v in file_values.items() if v != given.get(k)])
+    except ConfigError as e:
+        raise cfile.error(e) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _group_defaults(groups: tuple[tuple[str, str], ...]) -> RunConfig:
+    """The config the chosen group options give with no key set."""
+    return build_run_config(compose_dict([f"{g}={v}" for g, v in groups]), check_environment=False)
 
 
 def _defaults(engine_name: str) -> RunConfig:
@@ -361,7 +381,9 @@ def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise interpolation_error(e) from None
     from engine.config.interpolation import resolve_container
 
-    return build_run_config(resolve_container(base))
+    out = build_run_config(resolve_container(base))
+    check_overrides_take_effect(out, overrides)
+    return out
 
 
 def _parse_value(text: str):

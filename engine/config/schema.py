@@ -5,6 +5,10 @@ reference (docs/config-reference.md) and shell completion all walk these classes
 Every field carries a one-line help in ``metadata["help"]`` and, where it is bounded,
 a ``metadata["choices"]`` or ``metadata["min"]``/``["max"]`` (``["above"]``: an exclusive lower
 bound) that validation enforces.
+
+A key that only some options of a config group read says so in ``metadata["only_for"]``, e.g.
+``{"rollout": ("vllm",)}`` (on a section's field in RunConfig: every key of the section);
+setting it while another option is chosen is refused (engine/config/owned_keys.py).
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ class AlgorithmConfig:
     name: str = _f("grpo", "advantage estimator (docs/algorithms.md)",
                    choices=["grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo", "ppo"])
     rollout_n: int = _f(8, "samples per prompt (the GRPO group size)", min=1)
-    norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)")
+    norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)",
+                               only_for={"algorithm": ("grpo", "dapo")})
     clip_ratio_low: float = _f(0.2, "PPO clip: lower bound is 1 - this", min=0.0)
     clip_ratio_high: float = _f(0.28, "PPO clip: upper bound is 1 + this", min=0.0)
     loss_agg_mode: str = _f("token-mean", "how per-token losses become one scalar",
@@ -174,9 +179,12 @@ class AlgorithmConfig:
     entropy_coef: float = _f(0.0, "entropy bonus weight", min=0.0)
     ppo_epochs: int = _f(1, "passes over each rollout batch", min=1)
     ppo_mini_batch_size: int = _f(0, "prompts per optimizer step; 0 = the whole batch (one step per RL step)", min=0)
-    gamma: float = _f(1.0, "reinforce_pp/ppo: discount of future token rewards", min=0.0, max=1.0)
-    lam: float = _f(0.95, "ppo: GAE lambda (bias/variance trade-off of the advantage)", min=0.0, max=1.0)
-    whiten_advantages: bool = _f(True, "ppo: normalise GAE advantages over the batch's tokens (mean 0, std 1)")
+    gamma: float = _f(1.0, "reinforce_pp/ppo: discount of future token rewards", min=0.0, max=1.0,
+                      only_for={"algorithm": ("reinforce_pp", "ppo")})
+    lam: float = _f(0.95, "ppo: GAE lambda (bias/variance trade-off of the advantage)", min=0.0, max=1.0,
+                    only_for={"algorithm": ("ppo",)})
+    whiten_advantages: bool = _f(True, "ppo: normalise GAE advantages over the batch's tokens (mean 0, std 1)",
+                                 only_for={"algorithm": ("ppo",)})
     dynamic_sampling: bool = _f(False, "drop prompt groups whose rewards are all equal and refill from further "
                                        "prompts, keeping data.train_batch_size groups (DAPO)")
     dynamic_sampling_max_rounds: int = _f(4, "dynamic sampling: extra rollouts per step before topping the "
@@ -200,11 +208,13 @@ class RolloutConfig:
     micro_batch_size: int = _f(0, "sequences generated together per rank; 0 = all at once", min=0)
     decode_lanes: int = _f(0, "torch rollout: decode the rows as this many lanes of whole prompt groups, each on "
                               "its own thread with one intra-op thread; 0 = auto (the rank's threads on a CPU, "
-                              "1 on an accelerator)", min=0)
+                              "1 on an accelerator)", min=0, only_for={"rollout": ("torch",)})
     ignore_eos: bool = _f(False, "fixed-length generation: EOS is never sampled, every response has exactly "
                                  "max_new_tokens tokens (benchmarks; like HF min_new_tokens / vLLM min_tokens)")
-    gpu_memory_utilization: float = _f(0.4, "vllm: fraction of device memory for weights + KV cache", min=0.0, max=1.0)
-    verify_sync: bool = _f(False, "vllm: after each weight sync, check vLLM log-probs equal the trainer's")
+    gpu_memory_utilization: float = _f(0.4, "vllm: fraction of device memory for weights + KV cache", min=0.0, max=1.0,
+                                       only_for={"rollout": ("vllm",)})
+    verify_sync: bool = _f(False, "vllm: after each weight sync, check vLLM log-probs equal the trainer's",
+                           only_for={"rollout": ("vllm",)})
 
 
 @dataclass
@@ -228,11 +238,14 @@ class EngineConfig:
     skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
                                               "token (groups whose samples all scored the same) when the loss has "
                                               "no KL or entropy term: the same gradient, metrics from a no-grad pass")
-    fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)")
+    fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)",
+                   only_for={"engine": ("megatron",)})
     compile: bool = _f(False, "fsdp: torch.compile each decoder block's forward for the update (generation "
-                               "stays eager); pair with engine.pad_to_length for few shapes")
+                               "stays eager); pair with engine.pad_to_length for few shapes",
+                   only_for={"engine": ("fsdp",)})
     fused_kernels: bool = _f(False, "fsdp: the update's RMSNorm and SiLU-gated MLP activation as fused kernels "
-                                    "generated by torch.compile (Llama/Qwen/Mistral layers; the first step compiles)")
+                                    "generated by torch.compile (Llama/Qwen/Mistral layers; the first step compiles)",
+                         only_for={"engine": ("fsdp",)})
 
 
 @dataclass
@@ -342,7 +355,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=FSDPEngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig, metadata={"only_for": {"algorithm": ("ppo",)}})
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

@@ -81,9 +81,12 @@ def check_key(key: str, engine_name: str | None) -> None:
             title="unknown config key")
     other = all_keys(None, include_all_engines=True)
     if key in other and head == "engine":
+        readers = [name for name in ENGINE_CONFIGS if key in all_keys(name, include_all_engines=False)]
         raise ConfigError(
-            f"`{key}` belongs to another engine and is not an option of `engine={engine_name}`. "
-            f"Pick that engine with `--engine` or drop the override.", title="unknown config key")
+            f"`{key}` has no effect: it is read only with {' or '.join(f'engine={n}' for n in readers)}, and this "
+            f"run's engine is `{engine_name}`, which has no such key. To use it choose "
+            f"{' or '.join(f'`--engine {n}`' for n in readers)}; otherwise drop `{key}`.",
+            title="override has no effect")
     raise ConfigError(
         f"Unknown config key `{key}`.{suggest(key, list(keys))} "
         f"Run `rl train --help` or see docs/config-reference.md for every key.",
