@@ -51,6 +51,12 @@ VIOLATIONS = [
      "engine never imports the CLI layer"),
     ("engine/evaluate/pass_at_k.py", "import engine.trainer.trainer",
      "evaluate runs in one process"),
+    # the layers: the edges that once made every engine package one cycle (issue 45)
+    ("engine/tracking/fanout.py", "import engine.trainer.trainer", "layers:"),
+    ("engine/checkpoint/verify.py", "import engine.inspect.detect", "layers:"),
+    ("engine/config/validate.py", "import engine.tasks.registry", "layers:"),
+    ("engine/data/formats.py", "import engine.tasks.base", "layers:"),
+    ("engine/batch.py", "import engine.moe.routing_records", "layers:"),
 ]
 
 
@@ -67,6 +73,49 @@ def test_each_rule_catches_its_violation(tmp_path, rel, line, contract):
     assert r.returncode != 0, f"adding `{line}` to {rel} broke no contract:\n{r.stdout}"
     broken = [ln for ln in r.stdout.splitlines() if ln.endswith("BROKEN")]
     assert any(ln.startswith(contract) for ln in broken), (contract, broken)
+
+
+def _layered_packages() -> list[str]:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    return [m.strip() for layer in layers for part in layer.split("|") for m in part.split(":")]
+
+
+def test_every_engine_package_has_a_layer():
+    """The layers contract only checks the modules it names: a new package left out of it could
+    import anything. Every package and top-level module of engine/ must be placed."""
+    placed = set(_layered_packages())
+    children = {f"engine.{p.stem if p.is_file() else p.name}" for p in (ROOT / "engine").iterdir()
+                if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()}
+    assert children - placed == set(), f"place these in the layers contract in pyproject.toml: {children - placed}"
+
+
+def test_the_engine_package_graph_has_no_cycle():
+    """Package level, imports inside functions included: no two engine packages import each
+    other, directly or around a loop (they were one strongly connected component of 16)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("engine", include_external_packages=False)
+    pkg = {m: ".".join(m.split(".")[:2]) for m in graph.modules}
+    edges: dict[str, set[str]] = {}
+    for m in graph.modules:
+        for imp in graph.find_modules_directly_imported_by(m):
+            if pkg[m] != pkg[imp] and pkg[imp] != "engine":
+                edges.setdefault(pkg[m], set()).add(pkg[imp])
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for nxt in sorted(edges.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for start in sorted(edges):
+        visit(start, [])
 
 
 def test_architecture_doc_lists_every_module():
