@@ -205,7 +205,7 @@ def estimated_params(cfg: RunConfig, inputs) -> int | None:
             if files and all(p.suffix == ".safetensors" for p in files):
                 from math import prod
 
-                from engine.inspect.hf_safetensors import read_header
+                from engine.checkpoint.io.safetensors import read_header
 
                 return sum(prod(int(d) for d in e.get("shape", ())) for p in files
                            for e in read_header(p)[0].values())
