@@ -1,6 +1,8 @@
-"""PPO-clip policy loss with KL to a reference and an entropy bonus, aggregated over
-tokens the way the config asks, normalised over the *global* mini-batch so that data
-parallel ranks and micro-batching give the same gradient as one big batch."""
+"""The policy loss: PPO-clip (``algorithm.loss=ppo_clip``, a ratio per token) or GSPO
+(``algorithm.loss=gspo``, one ratio per response: engine/algorithms/gspo.py), with KL to a
+reference and an entropy bonus, aggregated over tokens the way the config asks, normalised over
+the *global* mini-batch so that data parallel ranks and micro-batching give the same gradient as
+one big batch."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.algorithms.gspo import gspo_token_loss, sequence_ratio_metrics
 from engine.config.schema import AlgorithmConfig
 
 
@@ -67,8 +70,8 @@ class PolicyLoss:
 
     @property
     def idle_rows_train_nothing(self) -> bool:
-        """A row whose advantage is 0 everywhere gets no gradient: the PPO-clip term is its only
-        term unless KL is in the loss or there is an entropy bonus (engine/backends/zero_advantage.py)."""
+        """A row whose advantage is 0 everywhere gets no gradient: the PPO-clip (or GSPO) term is its
+        only term unless KL is in the loss or there is an entropy bonus (engine/backends/zero_advantage.py)."""
         kl_in_loss = self.cfg.kl_coef > 0 and self.cfg.use_kl_loss
         return not kl_in_loss and self.cfg.entropy_coef == 0
 
@@ -76,10 +79,16 @@ class PolicyLoss:
         c = self.cfg
         mask = mb.response_mask
         old = mb.old_log_probs if mb.old_log_probs is not None else log_p.detach()
-        pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high)
         agg = lambda v: aggregate(v, mask, c.loss_agg_mode, n_tokens, n_seqs)  # noqa: E731
+        if c.loss == "gspo":
+            terms = gspo_token_loss(log_p, old, mb.advantages, mask, c.gspo_clip_ratio_low, c.gspo_clip_ratio_high)
+            pg, clipped = terms.loss, terms.clipped
+            extra = sequence_ratio_metrics(terms, mask, n_seqs)
+        else:
+            pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high)
+            extra = {}
         total = agg(pg)
-        metrics = {"pg_loss": agg(pg).item(), "clip_frac": agg(clipped).item()}
+        metrics = {"pg_loss": total.item(), "clip_frac": agg(clipped).item(), **extra}
         if mb.rollout_log_probs is not None:  # how far the sampler's log-probs are from the trainer's
             with torch.no_grad():
                 metrics["rollout_kl"] = agg(kl_penalty(mb.rollout_log_probs, log_p.detach(), "k3")).item()

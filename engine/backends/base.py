@@ -34,6 +34,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.memory.offload import OffloadReport  # noqa: F401  (re-exported: backends return it)
+from engine.metric_sums import add_metrics
 
 # loss_fn(log_probs [b, t], entropy [b, t] | None, micro_batch, n_tokens_global, n_seqs_global)
 #   -> (loss scalar already scaled for accumulation, metrics dict of floats)
@@ -210,8 +211,7 @@ class TrainEngine(ABC):
                 stats.tokens += int(mb.real_tokens)
                 stats.padded_tokens += int(mb.padded_tokens)
                 stats.shapes.add(tuple(mb.shape))
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            add_metrics(sums, metrics)
         self._finish_gradients(model)
         if policy and self.tracker is not None:
             self.tracker.sample_state()  # gradients are live only until the step
@@ -248,8 +248,7 @@ class TrainEngine(ABC):
                 with self._forward_scope(self.model, mb.batch, layout):
                     _, metrics = self._micro_batch_loss(mb, layout, loss_fn, n_tokens, n_seqs)
                 if split.skip:
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
+                    add_metrics(sums, metrics)
         return batch.select(split.train), sums
 
     # ---- rollout ------------------------------------------------------------------------

@@ -169,10 +169,17 @@ class AlgorithmConfig:
     rollout_n: int = _f(8, "samples per prompt (the GRPO group size)", min=1)
     norm_adv_by_std: bool = _f(True, "divide group-centred rewards by the group std (off for Dr. GRPO)",
                                only_for={"algorithm": ("grpo", "dapo")})
-    clip_ratio_low: float = _f(0.2, "PPO clip: lower bound is 1 - this", min=0.0)
-    clip_ratio_high: float = _f(0.28, "PPO clip: upper bound is 1 + this", min=0.0)
+    clip_ratio_low: float = _f(0.2, "ppo_clip: the token ratio's lower clip bound is 1 - this", min=0.0)
+    clip_ratio_high: float = _f(0.28, "ppo_clip: the token ratio's upper clip bound is 1 + this", min=0.0)
     loss_agg_mode: str = _f("token-mean", "how per-token losses become one scalar",
                             choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+    loss: str = _f("ppo_clip", "policy loss: ppo_clip (a ratio and clip per token) or gspo (one ratio per response, "
+                               "the geometric mean of its tokens' ratios, clipped with gspo_clip_ratio_*; "
+                               "Zheng et al. 2025); docs/algorithms.md", choices=["ppo_clip", "gspo"])
+    gspo_clip_ratio_low: float = _f(3e-4, "gspo: the sequence ratio's lower clip bound is 1 - this (the paper's 3e-4)",
+                                    min=0.0)
+    gspo_clip_ratio_high: float = _f(4e-4, "gspo: the sequence ratio's upper clip bound is 1 + this (the paper's 4e-4)",
+                                     min=0.0)
     kl_coef: float = _f(0.0, "weight of the KL to the frozen reference policy; 0 = no reference", min=0.0)
     kl_type: str = _f("low_var_kl", "KL estimator", choices=["k1", "k3", "low_var_kl"])
     use_kl_loss: bool = _f(True, "KL as a loss term (true) or as a per-token reward penalty (false)")

@@ -270,6 +270,9 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
     if cfg.algorithm.clip_ratio_low >= 1.0:
         raise ConfigError("`algorithm.clip_ratio_low` must be < 1 (the lower clip bound is 1 - clip_ratio_low).",
                           title="invalid config value")
+    from engine.config.policy_loss_rules import check_policy_loss
+
+    check_policy_loss(cfg.algorithm)
     from engine.config.loggers import check_logger_options, check_loggers
 
     check_loggers(cfg.trainer.loggers, installed=check_environment)

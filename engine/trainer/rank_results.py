@@ -4,12 +4,15 @@ world-size rule for metrics, in one place (engine/interfaces.py states all of th
 Each rank returns ``{"metrics", "replicated", "tokens", "padded_tokens", "shapes", "rss_peak"}``
 (engine/trainer/worker.py RankWorker.train_step). Ranks of one data-parallel group (megatron's
 tensor-parallel ranks) saw the same rows, so partial sums and token counts are taken from one
-rank per group and added; replicated values (grad norm, LR) are the same everywhere: rank 0's.
+rank per group and added (``*_min``/``*_max`` metrics: the extreme, engine/metric_sums.py);
+replicated values (grad norm, LR) are the same everywhere: rank 0's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.metric_sums import add_metrics
 
 
 @dataclass
@@ -26,8 +29,7 @@ def combine_update(outs: list[dict], dp_leaders: list[int]) -> UpdateResult:
     res = UpdateResult()
     for i in dp_leaders:
         o = outs[i]
-        for k, v in o["metrics"].items():
-            res.metrics[k] = res.metrics.get(k, 0.0) + v
+        add_metrics(res.metrics, o["metrics"])
         res.tokens += o["tokens"]
         res.padded_tokens += o["padded_tokens"]
     res.metrics.update(outs[0].get("replicated", {}))

@@ -24,6 +24,7 @@ from engine.config.resolved import mini_batch_prompts, updates_per_step
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
+from engine.metric_sums import add_metrics, mean_over_updates
 from engine.rewards.compute import RewardError, samples_of
 from engine.tracking.eta import StepClock
 from engine.tracking.fanout import Tracking
@@ -248,8 +249,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
             results = ([workers.critic_train_step(mb)] if ppo else []) + \
                 ([workers.train_step(mb)] if update_policy else [])
             for res in results:
-                for k, v in res.metrics.items():
-                    totals[k] = totals.get(k, 0.0) + v
+                add_metrics(totals, res.metrics)
                 tokens += res.tokens
                 padded += res.padded_tokens
                 shapes.update(res.shapes)
@@ -261,12 +261,13 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     offloaded = workers.offload()
     timing["offload"] = time.perf_counter() - t
     memory = [rec for o in offloaded for rec in o["memory"]]
-    per_update = {k: v / n_updates for k, v in totals.items()}
+    per_update = mean_over_updates(totals, n_updates)
     if kl_reward is not None:
         per_update["kl"] = kl_reward
     resp_tokens = float(batch.response_mask.sum())
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
     algo.update({k: v for k, v in per_update.items() if k.startswith("value_") and k != "value_nonfinite_updates"})
+    algo.update({k: v for k, v in per_update.items() if k.startswith("seq_")})  # GSPO's sequence ratio
     for key in ("nonfinite_updates", "value_nonfinite_updates"):  # updates skipped for a nan/inf gradient norm
         if totals.get(key):
             algo[key] = int(totals[key])
