@@ -17,10 +17,11 @@ parameter is attributed to a rank by the backend's layout:
 
 Bytes per category (``engine.memory.report.CATEGORIES``):
 
-- params: param dtype (bf16 = 2 B, fp32 = 4 B) x params on the rank (+ frozen reference
-  policy when ``algorithm.kl_coef > 0``).
-- grads: param dtype (FSDP) or fp32 (Megatron main grads).
-- optimizer: AdamW fp32 exp_avg + exp_avg_sq (8 B/param) + fp32 master (4 B) when bf16.
+- params: FSDP2 4 B (fp32 masters whatever ``model.dtype``: its mixed-precision policy computes
+  in a low-precision copy of each gathered unit); Megatron the param dtype (bf16 = 2 B, fp32 =
+  4 B); x params on the rank (+ frozen reference policy when ``algorithm.kl_coef > 0``).
+- grads: fp32 (FSDP2: the fp32 params' gradients; Megatron: main grads).
+- optimizer: AdamW fp32 exp_avg + exp_avg_sq (8 B/param) + fp32 master (4 B) on Megatron with bf16.
 - activations: what the HF Llama forward saves for backward, per decoder layer (derived
   from, and checked against, ``saved_tensors_hooks`` on the real model; see
   ``hf_llama_activation_bytes``), for one micro-batch at the configured token budget.
@@ -442,9 +443,14 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     vllm = run_cfg.rollout.name == "vllm"
     f: dict[str, str] = {}
 
-    # params / grads / optimizer
-    params = n_rank * a
-    f["params"] = f"{n_rank:,} params on the rank x {a} B"
+    # params / grads / optimizer. FSDP2 keeps fp32 parameters whatever model.dtype says (its
+    # mixed-precision policy casts a compute copy of each gathered unit to the low precision), so
+    # they and their gradients are 4 B and AdamW needs no separate master copy; megatron keeps the
+    # params in model.dtype with fp32 main grads and an fp32 master in the optimizer.
+    pb = 4 if lay.backend == "fsdp" else a
+    params = n_rank * pb
+    f["params"] = f"{n_rank:,} params on the rank x {pb} B" + (" (fp32 masters; bf16 compute copies)"
+                                                              if pb != a else "")
     gather = 0
     if lay.backend == "fsdp" and lay.dp > 1:
         root = st.embed + st.lm_head + st.final_norm + st.other
@@ -453,21 +459,21 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     ref = params if has_ref else 0
     if has_ref:
         f["params"] += " + frozen reference policy (same size)"
-    grad_b = a if lay.backend == "fsdp" else 4
+    grad_b = 4  # FSDP2: the fp32 parameters' gradients (reduced in fp32); megatron: fp32 main grads
     grads = n_rank * grad_b + (st.largest_layer * a if gather else 0)
-    f["grads"] = f"{n_rank:,} x {grad_b} B ({'param dtype' if grad_b == a else 'fp32 main grads'})"
-    opt_b = 8 + (4 if bf16 else 0)
+    f["grads"] = f"{n_rank:,} x {grad_b} B ({'fp32, as the params' if lay.backend == 'fsdp' else 'fp32 main grads'})"
+    opt_b = 8 + (4 if bf16 and lay.backend != "fsdp" else 0)
     opt_div = lay.dp if (lay.backend == "fsdp" or lay.dist_opt) else 1
     opt_params = n_rank if lay.backend == "fsdp" else math.ceil(n_rank / opt_div)
     optimizer = opt_params * opt_b
-    f["optimizer"] = (f"{opt_params:,} x {opt_b} B (AdamW fp32 m, v{' + fp32 master' if bf16 else ''})"
+    f["optimizer"] = (f"{opt_params:,} x {opt_b} B (AdamW fp32 m, v{' + fp32 master' if opt_b > 8 else ''})"
                       + (f", sharded over DP={opt_div}" if opt_div > 1 else ""))
     lora = run_cfg.model.lora
     if lora.rank:  # only the adapters have gradients and AdamW state; the base is frozen
         n_lora, what = lora_trainable_params(dims, lora.rank, list(lora.target_modules))
         lora_rank = math.ceil(n_lora / lay.dp)
-        params += lora_rank * a
-        f["params"] += f" + LoRA adapters {lora_rank:,} x {a} B"
+        params += lora_rank * pb
+        f["params"] += f" + LoRA adapters {lora_rank:,} x {pb} B"
         grads = lora_rank * grad_b  # frozen base: no full-layer gradient buffer in flight either
         f["grads"] = (f"LoRA only: {lora_rank:,} adapter params x {grad_b} B (rank {lora.rank} on {what}; "
                       f"base weights frozen, no grads)")
@@ -630,7 +636,9 @@ def _candidate_fixes(run_cfg: RunConfig, lay: _Layout, sh: _Shapes) -> list[tupl
             out.append(("2x tensor parallel", {"engine.tensor_model_parallel_size": 2 * lay.tp},
                         "split matrices, vocabulary and activations over twice the ranks"))
     if run_cfg.model.dtype == "float32":
-        out.append(("bf16 params", {"model.dtype": "bfloat16"}, "2-byte params, grads and activations"))
+        out.append(("bf16 params", {"model.dtype": "bfloat16"},
+                    "2-byte activations and gathered weights (FSDP2 keeps fp32 masters and grads)"
+                    if lay.backend == "fsdp" else "2-byte params and activations"))
     return out
 
 

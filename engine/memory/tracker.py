@@ -203,6 +203,10 @@ class MemoryTracker:
             if isinstance(mg, torch.Tensor) and on_dev(mg):
                 g_tensors.append(mg)
         o_tensors = [t for opt in self._optimizers for t in optimizer_state_tensors(opt) if on_dev(t)]
+        # what the optimizer steps: the model's own params (FSDP2, fp32 megatron: counted as params
+        # above, left out below) or fp32 masters of low-precision params (megatron's MainGradAdamW)
+        o_tensors += [t for opt in self._optimizers for group in getattr(opt, "param_groups", ())
+                      for p in group["params"] for t in tensors_in(p) if on_dev(t)]
         p_seen: set = set()
         out = {"params": storage_bytes(p_tensors, p_seen),
                "grads": storage_bytes(g_tensors),
