@@ -1,6 +1,11 @@
-"""Errors a user can act on. The CLI prints their message (one paragraph) and exits 2."""
+"""Errors a user can act on. The CLI prints their message (one paragraph) and exits 2.
+
+A message never shows a value read from the environment: each one seen while a config
+resolved is replaced by its `${oc.env:NAME}` (engine/secret_values.py)."""
 
 from __future__ import annotations
+
+from engine.secret_values import redact
 
 
 class UserError(Exception):
@@ -13,9 +18,10 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, message: str, *, title: str = "error"):
+        message = redact(message)
         super().__init__(message)
         self.message = message
-        self.title = title
+        self.title = redact(title)
 
 
 class ConfigError(UserError):

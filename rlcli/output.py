@@ -56,8 +56,14 @@ def json_errors(on: bool) -> None:
 
 
 def print_json(obj: Any) -> None:
-    """JSON for scripts: to stdout, nothing else on stdout; always standard JSON."""
-    sys.stdout.write(json.dumps(strict_json_value(obj), indent=2, default=str, allow_nan=False) + "\n")
+    """JSON for scripts: to stdout, nothing else on stdout; always standard JSON; no value read from
+    the environment (engine/secret_values.py)."""
+    from engine.secret_values import env_values, redact_all
+
+    text = json.dumps(strict_json_value(obj), indent=2, default=str, allow_nan=False)
+    if env_values():
+        text = json.dumps(redact_all(json.loads(text)), indent=2, allow_nan=False)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
     _json_state["printed"] = True
 
@@ -70,9 +76,14 @@ def print_json_error(message: str, title: str, exit_code: int) -> None:
 
 def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     """Print a one-paragraph error to stderr and exit (no traceback). The message and title
-    are plain text: brackets such as `rl[smollm2]` are shown, never read as rich markup."""
+    are plain text: brackets such as `rl[smollm2]` are shown, never read as rich markup. A value
+    read from the environment is shown as its `${oc.env:NAME}` (engine/secret_values.py)."""
     import typer
     from rich.text import Text
+
+    from engine.secret_values import redact
+
+    message, title = redact(str(message)), redact(str(title))
 
     print_json_error(message, title, exit_code)
     stderr_console().print(Panel(Text(str(message)), title=Text(str(title), style="bold red"), title_align="left",

@@ -102,7 +102,9 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         elif isinstance(e, Notice):
             from rich.markup import escape
 
-            out.print(f"[yellow]note[/]: {escape(e.text)}")
+            from engine.secret_values import redact
+
+            out.print(f"[yellow]note[/]: {escape(redact(e.text))}")
 
     # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130
     signal.signal(signal.SIGINT, signal.default_int_handler)

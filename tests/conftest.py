@@ -102,3 +102,14 @@ def _alone_or_shared(request):
         os.close(main)
         if gate is not None:
             os.close(gate)
+
+
+@pytest.fixture(autouse=True)
+def _forget_env_values():
+    """Values read from the environment are hidden from every later message of the process
+    (engine/secret_values.py): a test's variables must not rewrite the next test's messages."""
+    from engine.secret_values import forget_env_values
+
+    forget_env_values()
+    yield
+    forget_env_values()

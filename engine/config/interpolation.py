@@ -25,9 +25,17 @@ _HINT = ("Interpolations may read another config key (`${trainer.seed}`) or an e
 
 
 def resolve_container(node) -> dict:
-    """OmegaConf node -> plain dict with every interpolation resolved, or a ConfigError."""
+    """OmegaConf node -> plain dict with every interpolation resolved, or a ConfigError. The
+    environment values it reads are remembered first, so no later message shows them
+    (engine/secret_values.py)."""
     from omegaconf import OmegaConf
 
+    from engine.secret_values import remember_env_values
+
+    try:
+        remember_env_values(OmegaConf.to_container(node, resolve=False))
+    except Exception:  # a node omegaconf cannot list unresolved: the resolution below says why
+        pass
     try:
         return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
     except Exception as e:  # omegaconf's own errors, and resolvers' (KeyError, ValueError)
@@ -38,6 +46,9 @@ def create_resolved(data: dict) -> dict:
     """A plain dict (e.g. a saved config holding `${oc.env:X}`) with interpolations resolved."""
     from omegaconf import OmegaConf
 
+    from engine.secret_values import remember_env_values
+
+    remember_env_values(data)
     try:
         node = OmegaConf.create(data)
     except Exception as e:

@@ -233,7 +233,7 @@ def load_run_config(overrides: list[str] | None = None, engine: str | None = Non
     try:
         data, env_refs = compose_dict(overrides, with_env_refs=True, file_values=file_values,
                                       file_path=cfile.path if cfile is not None else "")
-        cfg = build_run_config(data)
+        cfg = build_run_config(data, env_refs=env_refs)
     except ConfigError as e:
         raise _from_file(e, cfile, file_values) from None
     check_task_keys(cfg, overrides)
@@ -354,9 +354,9 @@ def config_from_dict(data: dict) -> RunConfig:
     The loggers' packages and settings are not checked: a saved config is read here, not run (a
     run resumed on a machine without wandb may drop it with trainer.loggers=...; apply_overrides_to
     checks the config that runs)."""
-    from engine.config.interpolation import create_resolved
+    from engine.config.interpolation import create_resolved, env_references
 
-    return build_run_config(create_resolved(data), check_environment=False)
+    return build_run_config(create_resolved(data), check_environment=False, env_refs=env_references(data))
 
 
 def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -379,9 +379,10 @@ def apply_overrides_to(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             from engine.config.interpolation import interpolation_error
 
             raise interpolation_error(e) from None
-    from engine.config.interpolation import resolve_container
+    from engine.config.interpolation import env_references, resolve_container
 
-    out = build_run_config(resolve_container(base))
+    refs = env_references(OmegaConf.to_container(base, resolve=False))  # type: ignore[arg-type]
+    out = build_run_config(resolve_container(base), env_refs=refs)
     check_overrides_take_effect(out, overrides)
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
@@ -97,8 +98,15 @@ def _type_name(f) -> str:
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
 
-def coerce_value(key: str, f, value: Any) -> Any:
-    """Check ``value`` against field ``f``'s type and limits; return the coerced value."""
+def coerce_value(key: str, f, value: Any, secret: str | None = None) -> Any:
+    """Check ``value`` against field ``f``'s type and limits; return the coerced value.
+    ``secret``: the interpolation (``${oc.env:NAME}``) the value was read through; an error
+    then names it and never shows the value."""
+    if secret is not None:
+        try:
+            return coerce_value(key, f, value)
+        except ConfigError as e:
+            raise _secret_value_error(key, f, value, secret, e) from None
     tname = _type_name(f).replace("Optional[", "").rstrip("]")
     meta = f.metadata
     allowed = ""
@@ -155,6 +163,33 @@ def coerce_value(key: str, f, value: Any) -> Any:
     return v
 
 
+def _secret_value_error(key: str, f, value: Any, secret: str, e: ConfigError) -> ConfigError:
+    """The error about a value read from the environment: what the key takes, the interpolation
+    that gave the value, and never the value (it may be a token)."""
+    tname = _type_name(f).replace("Optional[", "").rstrip("]")
+    meta = f.metadata
+    if "choices" in meta:
+        takes = f"one of {', '.join(map(str, meta['choices']))}"
+    else:
+        takes = {"int": "an integer", "float": "a number", "bool": "true or false", "list": "a list",
+                 "str": "a string"}.get(tname, f"a {tname}")
+        limits = [f">= {meta['min']}" if "min" in meta else "", f"> {meta['above']}" if "above" in meta else "",
+                  f"<= {meta['max']}" if "max" in meta else ""]
+        takes += "".join(f", {x}" for x in limits if x)
+    hint = ""
+    if isinstance(value, str) and tname in ("int", "float", "bool", "list"):
+        inner = secret[2:-1] if secret.startswith("${") and secret.endswith("}") else secret
+        hint = (f" `${{oc.env:NAME}}` always gives a string; to read {takes.split(',')[0]} from the environment "
+                f"write `'{key}=${{oc.decode:${{{inner}}}}}'`.") if _ENV_ONLY.fullmatch(secret) else ""
+    return ConfigError(
+        f"`{key}={secret}`: the value read from the environment does not fit `{key}`, which takes {takes} "
+        f"({type(value).__name__} given; the value is not shown: values read from the environment are kept "
+        f"secret).{hint} Default: {key}={_fmt(_default_of(f))}. Help: {meta.get('help', '')}.",
+        title=e.title)
+
+
+_ENV_ONLY = re.compile(r"\$\{\s*(?:oc\.)?env\s*:[^${}]*\}")
+
 INT64_MAX = 2**63 - 1
 
 
@@ -206,11 +241,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def build_run_config(data: dict, *, check_environment: bool = True) -> RunConfig:
+def build_run_config(data: dict, *, check_environment: bool = True, env_refs: dict | None = None) -> RunConfig:
     """Validate a plain nested dict (every section optional) into a RunConfig.
     ``check_environment=False``: a config that is read, not run here (a checkpoint's saved config
     before `rl resume` applies its overrides, config.yaml for `rl mem-report`, a rank's copy):
-    the loggers' packages and settings (WANDB_MODE) belong to the machine and run that open them."""
+    the loggers' packages and settings (WANDB_MODE) belong to the machine and run that open them.
+    ``env_refs``: key -> the interpolation its value was read from the environment through
+    (engine.config.interpolation.env_references): errors about those keys never show the value."""
     engine_name = (data.get("engine") or {}).get("name", "fsdp")
     if engine_name not in ENGINE_CONFIGS:
         raise ConfigError(
@@ -224,13 +261,13 @@ def build_run_config(data: dict, *, check_environment: bool = True) -> RunConfig
         if not isinstance(value, dict):
             raise ConfigError(f"`{section}` must be a mapping of keys; got {value!r}.", title="invalid config")
     for section, cls in sections.items():
-        built[section] = _build_section(cls, data.get(section) or {}, section, engine_name)
+        built[section] = _build_section(cls, data.get(section) or {}, section, engine_name, env_refs or {})
     cfg = RunConfig(**built)
     check_cross_field(cfg, check_environment=check_environment)
     return cfg
 
 
-def _build_section(cls, values: dict, prefix: str, engine_name: str):
+def _build_section(cls, values: dict, prefix: str, engine_name: str, env_refs: dict):
     kwargs = {}
     known = {f.name: f for f in fields(cls)}
     for k, v in values.items():
@@ -242,12 +279,18 @@ def _build_section(cls, values: dict, prefix: str, engine_name: str):
             if not isinstance(v, dict):
                 raise ConfigError(f"`{key}` is a section; set its keys, e.g. `{key}.{fields(sub)[0].name}=...`; "
                                   f"got {v!r}.", title="invalid config value")
-            kwargs[k] = _build_section(sub, v, key, engine_name)
+            kwargs[k] = _build_section(sub, v, key, engine_name, env_refs)
             continue
         if isinstance(v, dict) and not is_dataclass(known[k].type):
             raise ConfigError(f"`{key}` is a value, not a section; got {v!r}.", title="invalid config value")
-        kwargs[k] = coerce_value(key, known[k], v)
+        kwargs[k] = coerce_value(key, known[k], v, secret=_ref_text(env_refs.get(key)))
     return cls(**kwargs)
+
+
+def _ref_text(ref: Any) -> str | None:
+    if ref is None:
+        return None
+    return ref if isinstance(ref, str) else repr(ref)
 
 
 def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None:

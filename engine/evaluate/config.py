@@ -83,7 +83,10 @@ def eval_config(overrides: list[str], saved: Optional[dict] = None) -> RunConfig
             OmegaConf.update(base, key, _parse_value(value), merge=False)
         except Exception as e:  # a malformed interpolation, a value omegaconf cannot hold
             raise interpolation_error(e) from None
-    cfg = build_run_config(resolve_container(base))
+    from engine.config.interpolation import env_references
+
+    refs = env_references(OmegaConf.to_container(base, resolve=False))  # type: ignore[arg-type]
+    cfg = build_run_config(resolve_container(base), env_refs=refs)  # errors name `${oc.env:X}`, never its value
     check_task_keys(cfg, overrides)
     check_eval_keys(cfg)
     return cfg

@@ -9,12 +9,15 @@ _MARK = {True: Text("ok", style="green"), False: Text("FAILED", style="bold red"
 
 
 def preflight_table(report) -> Table:
+    """Each check and note; a value read from the environment shows as its `${oc.env:NAME}`."""
+    from engine.secret_values import redact
+
     t = Table(title="preflight", title_justify="left")
     t.add_column("check", style="cyan")
     t.add_column("")
     t.add_column("detail")
     for c in report.checks:
-        t.add_row(c.name, _MARK[c.ok], Text(c.detail))
+        t.add_row(c.name, _MARK[c.ok], Text(redact(c.detail)))
     for n in report.notes:
-        t.add_row("note", Text("!", style="yellow"), Text(n))
+        t.add_row("note", Text("!", style="yellow"), Text(redact(n)))
     return t
