@@ -24,8 +24,8 @@ from engine.checkpoint.optimizer_entries import (OptimizerEntries, classify_opti
                                                  split_prefix)
 from engine.checkpoint.resume_rules import ConfigChange, classify_changes
 from engine.checkpoint.start_dir import resume_from_elsewhere
-from engine.checkpoint.run_files import (MEMORY_FILE, RESUME_LOG, count_rows_after, lines_of, row_step, span,
-                                         truncate_jsonl)
+from engine.checkpoint.carried_rows import missing_rows, repair_row_files
+from engine.checkpoint.run_files import RESUME_LOG, count_rows_after, lines_of, row_step, span
 from engine.errors import CheckpointError, UserError
 
 
@@ -55,6 +55,7 @@ class ResumePlan:
     later_checkpoints: list[str]    # newer complete checkpoints set aside on apply (rewind)
     metrics_rows_dropped: int
     versions_changed: dict          # package -> [then, now]
+    rows_restored: dict = field(default_factory=dict)  # row file -> steps put back from rows.json (carried_rows.py)
     verification: dict = field(default_factory=dict)   # engine.checkpoint.verify.Verification.to_json()
     warnings: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
@@ -106,8 +107,8 @@ class ResumePlan:
             src = root / name
             if src.exists():
                 os.replace(src, root / f".superseded-{name}-{stamp}")
-        truncate_jsonl(root / "metrics.jsonl", self.step)  # also drops a row a kill cut short
-        truncate_jsonl(root / MEMORY_FILE, self.step)
+        # rows after the step and torn rows dropped, rows the checkpoint carries put back
+        self.rows_restored = repair_row_files(root, Path(self.step_dir), self.step)
         from engine.user_paths import append_to_run_file
 
         append_to_run_file(root / RESUME_LOG, (json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -269,11 +270,15 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     if broken:
         warnings.append(f"metrics.jsonl line(s) {', '.join(map(str, broken[:5]))} are not JSON rows (a write cut "
                         f"short by a kill): dropped on resume.")
-    logged = {row_step(ln) for ln in metric_lines}
+    rows_restored = missing_rows(root, step.path, step.step)
+    for name, steps in rows_restored.items():
+        warnings.append(f"{name} lacks the row(s) of step(s) {span(steps)} or holds them cut short (a crash while "
+                        f"they were written): put back from {step.path.name}/rows.json.")
+    logged = {row_step(ln) for ln in metric_lines} | set(rows_restored.get("metrics.jsonl", []))
     lost = [s for s in range(1, step.step + 1) if s not in logged]
     if lost and logged:
-        warnings.append(f"metrics.jsonl has no row for step(s) {span(lost)} (the run stopped between saving a "
-                        f"checkpoint and writing its row); those rows cannot be recomputed.")
+        warnings.append(f"metrics.jsonl has no row for step(s) {span(lost)} and {step.path.name} does not carry "
+                        f"them; those rows cannot be recomputed.")
     if loc.later:
         warnings.append(f"rewinding: newer checkpoints {', '.join(loc.later)} are set aside as .superseded-<name>-* "
                         f"(not deleted) and metric rows after step {step.step} are dropped.")
@@ -304,5 +309,5 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
         parallel_then=dict(manifest.get("parallel") or {}), config_changes=changes, overrides=overrides,
         skipped=loc.skipped, later_checkpoints=loc.later,
         metrics_rows_dropped=count_rows_after(root / "metrics.jsonl", step.step),
-        versions_changed=versions_changed, verification=verification.to_json() | {"summary": verification.summary},
+        versions_changed=versions_changed, rows_restored=rows_restored, verification=verification.to_json() | {"summary": verification.summary},
         warnings=warnings, refusals=refusals, config=cfg)

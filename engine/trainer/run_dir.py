@@ -51,6 +51,7 @@ class RunDir:
         self.path = Path(path)
         self.metrics_path = self.path / "metrics.jsonl"
         self.env_refs: dict = {}  # key -> `${oc.env:...}` text, written instead of the resolved value
+        self.rows = None          # engine.checkpoint.carried_rows.RowCarrier, set when the loop starts
 
     def checkpoint_holding_it(self) -> Path | None:
         """The saved checkpoint (a step_N, or an unfinished .tmp-step_N, of a run) that this path
@@ -193,11 +194,21 @@ class RunDir:
         if records:
             save_records(records, self.path)
 
+    def carry_rows_after(self, step: int) -> None:
+        """From here on, each checkpoint carries the rows of the steps after ``step`` up to its own
+        (engine/checkpoint/carried_rows.py): -1 for a new run, the resumed step on resume."""
+        from engine.checkpoint.carried_rows import RowCarrier
+
+        self.rows = RowCarrier(self.path, step)
+
     def save(self, cfg: RunConfig, workers, step: int, stream) -> Path:
-        from engine.checkpoint.save import finalize_checkpoint, prepare_tmp
+        from engine.checkpoint.save import finalize_checkpoint, prepare_tmp, tmp_dir
 
         prepare_tmp(self.path, step)
         extra = workers.save(str(self.path), step)
+        if self.rows is None:
+            self.carry_rows_after(-1)
+        self.rows.write(tmp_dir(self.path, step), step)  # what resume needs to put back a torn row
         facts = workers.checkpoint_facts()
         info = workers.info
         e = cfg.engine

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Callable
 from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
-from engine.checkpoint.run_files import truncate_jsonl
 from engine.config.resolved import mini_batch_prompts, updates_per_step
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
@@ -29,7 +28,7 @@ from engine.rewards.compute import RewardError, samples_of
 from engine.tracking.eta import StepClock
 from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
-from engine.tracking.samples import SAMPLES_FILE, is_sample_step, pick_rows
+from engine.tracking.samples import is_sample_step, pick_rows
 from engine.trainer.data import PromptStream
 from engine.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
@@ -91,8 +90,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     with phase(on_event, "load_checkpoint", f"load checkpoint {step_dir.name}",
                                total_bytes=tree_bytes(step_dir)):
                         start_step = resume.apply(workers, stream)
-                    truncate_jsonl(Path(run_dir) / SAMPLES_FILE, start_step)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
+                rdir.carry_rows_after(start_step if resume is not None else -1)  # the next checkpoints' rows.json
                 plan = _plan(cfg, inputs, workers, start_step, changed or {}, run_dir)
                 plan.ray, plan.placement = ray_target.describe(), workers.placement
                 on_event(plan)
