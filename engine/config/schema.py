@@ -87,6 +87,26 @@ DATASET_TASKS = ("dataset", "jsonl", "parquet")  # the user's data, one loader (
 
 
 @dataclass
+class RewardModelConfig:
+    path: str = _f("", "a reward model: a Hugging Face AutoModelForSequenceClassification directory or a hub id in "
+                       "the local HF cache (offline); its score of (prompt, response) joins the reward with weight; "
+                       "empty = none")
+    placement: str = _f("colocated", "colocated: scored in the driver process on the ranks' device (GPU 0 with "
+                                     "trainer.device=cuda/auto and a GPU, else CPU); actor: a separate Ray actor "
+                                     "holds the model (rl eval scores in its own process)",
+                        choices=["colocated", "actor"])
+    weight: float = _f(1.0, "weight of the reward model's score in the reward (summed with the functions')")
+    batch_size: int = _f(16, "responses scored per forward", min=1)
+    max_length: int = _f(1024, "tokens of (prompt, response) the model reads; longer ones lose their start",
+                         min=8)
+    label_index: int = _f(0, "a model with num_labels > 1: the logit that is the score (TRL reads logits[:, 0])",
+                          min=0)
+    dtype: str = _f("float32", "dtype of the reward model's weights", choices=["float32", "bfloat16"])
+    num_gpus: float = _f(0.0, "placement=actor: GPUs the actor asks Ray for (a fraction shares one); 0 = on CPU",
+                         min=0.0)
+
+
+@dataclass
 class TaskConfig:
     name: str = _f("echo", "built-in task, or dataset (jsonl/parquet: the same loader) for your own data",
                    choices=[*BUILTIN_TASKS, *DATASET_TASKS])
@@ -112,6 +132,17 @@ class TaskConfig:
     reward_on_error: str = _f("raise", "a reward call that raises or hangs: raise stops the run (last checkpoint "
                                        "intact); zero scores it 0 and counts it", choices=["raise", "zero"])
     correct_fn: str = _f("", "module:function -> bool: exact correctness, reported as accuracy")
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig,
+                                            metadata={"help": "a reward model scoring responses (docs/agents.md)"})
+    reward_url: str = _f("", "a remote scorer: http(s) URL that batches of samples are POSTed to as JSON "
+                             "(docs/agents.md); its scores join the reward with reward_url_weight; empty = none")
+    reward_url_weight: float = _f(1.0, "weight of the remote scorer's scores in the reward")
+    reward_url_timeout_s: float = _f(60.0, "seconds one request to task.reward_url may take (connect, then "
+                                           "read); a timed-out request is retried", above=0.0)
+    reward_url_retries: int = _f(3, "retries of a request to task.reward_url that cannot connect, times out or "
+                                    "gets HTTP 429/5xx (exponential backoff); then reward_on_error applies",
+                                 min=0, max=20)
+    reward_url_batch_size: int = _f(64, "samples per request to task.reward_url", min=1)
     prompt_key: str = _f("prompt", "column holding the prompt (text, or a list of {role, content} messages)")
     answer_key: str = _f("answer", "column holding the reference answer (verl rows: reward_model.ground_truth)")
     num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1, max=1_000_000)

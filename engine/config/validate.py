@@ -301,7 +301,8 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
             raise ConfigError(f"`task={cfg.task.name}` needs `task.path=` (a Parquet/JSONL/JSON/Arrow file, a "
                               f"save_to_disk directory, or a dataset name in the local Hugging Face cache).",
                               title="invalid config")
-        if not cfg.task.reward_fn and not cfg.task.reward_fns:
+        if not cfg.task.reward_fn and not cfg.task.reward_fns and not cfg.task.reward_model.path \
+                and not cfg.task.reward_url:  # a reward model or a remote scorer may score alone
             raise ConfigError("A dataset task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match` "
                               "(a function (prompt, response, answer, **row) -> float; the current directory is "
                               "importable), a built-in such as `task.reward_fn=rl:math_boxed`, or several with "

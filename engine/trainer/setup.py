@@ -137,4 +137,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     check_model_fits_run(cfg, model_path, vocab)
     from engine.rewards.compute import make_runner
 
-    return RunInputs(task, tok, train, val, model_path, vocab, make_runner(task, cfg.task))
+    from engine.reward_model.actor import ActorRewardModel
+    from engine.reward_model.build import scorers_for
+    runner = make_runner(task, cfg.task, scorers_for(cfg, tok, make_actor=ActorRewardModel))
+    return RunInputs(task, tok, train, val, model_path, vocab, runner)
