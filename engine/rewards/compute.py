@@ -8,6 +8,10 @@ functions' scores; each function's mean is reported on its own. Correctness come
 A call that raises, returns something that is not a score, or takes longer than
 ``task.reward_timeout_s``: with ``task.reward_on_error=raise`` a ``RewardError`` naming the
 function, the row and the exception; with ``zero`` the call scores 0 and is counted.
+
+Batch scorers (engine/rewards/scorers.py: a reward model, a remote HTTP scorer) add their
+weighted scores to the same sum, are logged under their own names (``reward_model``,
+``reward_url``) and fail the same way: a batch one cannot score stops the run or scores 0.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Optional
 from engine.errors import UserError
 from engine.rewards.call import Sample
 from engine.rewards.executors import ProcessPool, run_inline, run_watched
+from engine.rewards.scorers import BatchScorer, ScorerFailed
 from engine.rewards.spec import RewardFnSpec
 
 
@@ -27,6 +32,7 @@ class RewardFailure:
     origin: str          # the row (or rows, for a batched call)
     error: str           # "ExcType: message", "bad return value: ...", or "timed out after N s"
     where: str = ""      # file:line in function, when known
+    scorer: bool = False  # a batch scorer (reward model, remote scorer), not a function
 
 
 class RewardError(UserError):
@@ -36,6 +42,12 @@ class RewardError(UserError):
         self.failure, self.prompt = failure, prompt
         where = f" (at {failure.where})" if failure.where else ""
         shown = "" if prompt is None else f" (prompt {_short(prompt)})"
+        if failure.scorer:
+            super().__init__(
+                f"`{failure.fn}` could not score {failure.origin}{shown}: {failure.error}. Fix the scorer, or set "
+                f"task.reward_on_error=zero to score what it cannot score 0 and count it."
+                f"{' ' + resume_hint if resume_hint else ''}", title="reward scorer failed")
+            return
         super().__init__(
             f"reward function `{failure.fn}` failed on {failure.origin}{shown}: {failure.error}{where}. Fix the "
             f"function (call it on that row to reproduce), or set task.reward_on_error=zero to score failing calls "
@@ -60,7 +72,8 @@ def _short(prompt: object, n: int = 80) -> str:
 
 class RewardRunner:
     def __init__(self, specs: list[RewardFnSpec], *, workers: int = 0, timeout_s: float = 0.0,
-                 on_error: str = "raise"):
+                 on_error: str = "raise", scorers: tuple = ()):
+        self.scorers: list[BatchScorer] = list(scorers)
         self.specs = [s for s in specs if s.role == "reward"]
         self.correct_spec = next((s for s in specs if s.role == "correct"), None)
         self.workers, self.timeout_s, self.on_error = workers, timeout_s, on_error
@@ -75,11 +88,31 @@ class RewardRunner:
             how.append(f"timeout {self.timeout_s:g} s")
         if self.on_error == "zero":
             how.append("failures score 0")
-        return " + ".join(parts) + f"  ({', '.join(how)})"
+        text = " + ".join(parts) + f"  ({', '.join(how)})" if parts else ""
+        return " + ".join([text] * bool(text) + [sc.describe() for sc in self.scorers])
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        for sc in self.scorers:
+            sc.close()
+
+    def _run_scorers(self, samples: list[Sample], stop: bool, failures: list) -> dict[str, list[float]]:
+        """Each batch scorer's scores (0 where it failed and the policy is zero)."""
+        out = {}
+        for sc in self.scorers:
+            try:
+                out[sc.name] = sc.score(samples) if samples else []
+            except ScorerFailed as e:
+                rows = e.rows or list(range(len(samples)))
+                origin = samples[rows[0]].origin if len(rows) == 1 else \
+                    f"{len(rows)} samples ({samples[rows[0]].origin} .. {samples[rows[-1]].origin})"
+                failure = RewardFailure(sc.name, origin, str(e), scorer=True)
+                if stop:
+                    raise RewardError(failure, samples[rows[0]].prompt if len(rows) == 1 else None) from None
+                failures.append(failure)
+                out[sc.name] = [e.partial.get(i, 0.0) for i in range(len(samples))]  # the rows it scored
+        return out
 
     def _calls(self, spec: RewardFnSpec, samples: list[Sample]) -> list[tuple[list[int], tuple]]:
         idx = list(range(len(samples)))
@@ -125,7 +158,9 @@ class RewardRunner:
             if stop:
                 raise RewardError(failure, samples[group[0]].prompt if len(group) == 1 else None)
             failures.append(failure)  # scored 0, counted
-        total = [sum(s.weight * raw[s.name][i] for s in self.specs) for i in range(n)]
+        scored = self._run_scorers(samples, stop, failures)
+        total = [sum(s.weight * raw[s.name][i] for s in self.specs) +
+                 sum(sc.weight * scored[sc.name][i] for sc in self.scorers) for i in range(n)]
         correct = None
         if self.correct_spec is not None:
             correct = [bool(c) for c in returned_correct[self.correct_spec.name]]
@@ -134,20 +169,23 @@ class RewardRunner:
                 if any(c is not None for c in returned_correct[s.name]):
                     correct = [bool(c) for c in returned_correct[s.name]]
                     break
-        per_fn = {s.name: sum(raw[s.name]) / n if n else 0.0 for s in self.specs}
-        return RewardScores(total, per_fn, correct, failures, {s.name: raw[s.name] for s in self.specs})
+        raw.update(scored)
+        names = [s.name for s in self.specs] + [sc.name for sc in self.scorers]
+        per_fn = {name: sum(raw[name]) / n if n else 0.0 for name in names}
+        return RewardScores(total, per_fn, correct, failures, {name: raw[name] for name in names})
 
 
-def make_runner(task, task_cfg) -> RewardRunner:
+def make_runner(task, task_cfg, scorers: tuple = ()) -> RewardRunner:
     """The runner for a task: its configured functions (dataset tasks), or the built-in task's
-    own reward and correctness functions; parallelism and error policy from ``task.*``."""
+    own reward and correctness functions; parallelism and error policy from ``task.*``; the
+    batch ``scorers`` (a reward model, a remote scorer) added to the sum."""
     from engine.rewards.spec import spec_for
 
     specs = list(task.reward_specs)
-    if not specs:
+    if not specs and task.reward is not None:
         specs = [spec_for(task.reward)] + ([spec_for(task.correct, "correct")] if task.correct else [])
     return RewardRunner(specs, workers=task_cfg.reward_workers, timeout_s=task_cfg.reward_timeout_s,
-                        on_error=task_cfg.reward_on_error)
+                        on_error=task_cfg.reward_on_error, scorers=scorers)
 
 
 def samples_of(examples: list, responses: list[str], n: int = 1) -> list[Sample]:

@@ -198,7 +198,7 @@ def user_reward_specs(task_cfg) -> list[RewardFnSpec]:
         raise ConfigError(f"Set either `task.reward_fn` or `task.reward_fns`, not both (got reward_fn={single} and "
                           f"reward_fns={several}). Put every function in reward_fns.", title="invalid config")
     names = several or ([single] if single else [])
-    if not names:
+    if not names and not (task_cfg.reward_model.path or task_cfg.reward_url):  # those score alone
         raise ConfigError("A dataset task needs a reward function: `task.reward_fn=mypkg.rewards:exact_match`, a "
                           "built-in such as `task.reward_fn=rl:math_boxed` (`rl:by_data_source` for verl data: each "
                           "row by its data_source, as verl's default), or several with "

@@ -50,7 +50,8 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
         check_signature(s, resolve(s.target), visible | ({"answer"} if s.batched else set()))
     if any(s.target == DATA_SOURCE_TARGET for s in specs):
         _check_data_sources(rows + (val_rows if val_ds is not None else []), origin)
-    first = resolve(specs[0].target)
+    rewards = [s for s in specs if s.role == "reward"]
+    first = resolve(rewards[0].target) if rewards else None  # None: a reward model or remote scorer scores
     info = {"format": fmt, "source": opened.source, "kind": opened.kind, "split": cfg.split,
             "val_split": cfg.val_split or None, "columns": columns, "rows": {"train": len(train), "val": len(val)},
             "fingerprint": fingerprint_path(cfg.path, cfg.subset), "path": cfg.path}
