@@ -59,6 +59,10 @@ VIOLATIONS = [
     ("engine/batch.py", "import engine.moe.routing_records", "layers:"),
     ("engine/trainer/preflight.py", "import engine.inspect.hf_safetensors",
      "the training runtime never imports the offline tools"),
+    # reward models: torch stays out of the reward workers; rl eval's scorers stay out of Ray
+    ("engine/rewards/scorers.py", "import engine.reward_model.model", "layers:"),
+    ("engine/reward_model/build.py", "import engine.reward_model.actor",
+     "evaluate runs in one process"),
 ]
 
 

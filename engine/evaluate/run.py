@@ -59,7 +59,9 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
         raise ConfigError(f"Every {e.split} prompt is longer than data.max_prompt_length={cfg.data.max_prompt_length} "
                           f"tokens and was dropped. Raise data.max_prompt_length.", title="prompt too long")
     _check_fits(src.model_dir, tok, prompts, cfg.rollout.max_new_tokens)
-    runner = make_runner(task, cfg.task)
+    from engine.reward_model.build import scorers_for
+
+    runner = make_runner(task, cfg.task, scorers_for(cfg, tok))  # a reward model scores in this process
     k_list = sorted(set(e.k)) if e.k else default_ks(e.n)
     sampler_cfg = replace(cfg.rollout, temperature=e.temperature, top_p=e.top_p, ignore_eos=False)
     cfg = replace(cfg, rollout=sampler_cfg)

@@ -147,7 +147,7 @@ def check_reward(cfg: RunConfig, resume: bool) -> str:
         return f"built-in rule of task={t.name}"
     from engine.rewards.spec import user_reward_specs
 
-    return ", ".join(s.name for s in user_reward_specs(t))
+    return ", ".join(s.name for s in user_reward_specs(t)) or "none (the reward scorers score)"
 
 
 # ---- model and task -------------------------------------------------------------------
@@ -375,6 +375,10 @@ def preflight(cfg: RunConfig, *, run_dir: Path | None = None, resume=None,
     extras_ok = _record(report, "extras", lambda: check_extras(cfg))
     _record(report, "device", lambda: _check_device(cfg))
     reward_ok = _record(report, "reward function", lambda: check_reward(cfg, resume is not None))
+    if cfg.task.reward_model.path or cfg.task.reward_url:  # a reward model, a remote scorer
+        from engine.reward_model.build import check_scorers
+
+        reward_ok = _record(report, "reward scorers", lambda: check_scorers(cfg)) and reward_ok
     if extras_ok and reward_ok:
         if _record(report, "model and task", lambda: check_model_and_task(cfg, report)):
             _record(report, "host memory", lambda: check_host_memory(cfg, report.inputs))
