@@ -60,6 +60,14 @@ def needs_missing(prompt, response, answer, rubric):
 
 def is_exact(prompt, response, answer, **row):
     return response.strip() == str(answer)
+
+def logs_then_hangs(prompt, response, answer):
+    # records (response, worker pid, start time) when it starts; scores its pid
+    import os
+    with open("starts.log", "a") as f:
+        f.write(f"{response}:{os.getpid()}:{time.time()}\\n")
+    time.sleep({"hang": 600, "slow": 1.9, "pre": 0.5}.get(response.split("-")[0], 0.1))
+    return float(os.getpid())
 '''
 
 
@@ -226,29 +234,96 @@ def test_slow_reward_scores_the_same_in_the_pool(mod):
         pool.close()
 
 
-def test_closing_the_pool_never_waits_on_a_hung_call(mod):
+def test_closing_the_pool_never_waits_on_a_hung_call(mod, tmp_path):
     """A run that stops while a reward call hangs (no timeout set): close() kills the worker
-    instead of waiting for it."""
+    instead of waiting for it, and the scorer waiting on that call is told, not left hanging."""
     import threading
 
-    r = runner([spec(f"{mod}:hangs")], workers=1)
-    r._pool._ensure()
-    procs = list(r._pool._pool._processes.values())
+    r = runner([spec(f"{mod}:logs_then_hangs")], workers=1)
     errors = []
 
     def score():
         try:
-            r.score(SAMPLES[3:])  # hangs: no timeout
+            r.score(samples_of([_row(0)], ["hang"]))  # hangs: no timeout
         except RewardError as e:
             errors.append(e.message)
 
     t = threading.Thread(target=score, daemon=True)
     t.start()
-    t.join(timeout=1)
+    pid = _started(tmp_path, "hang")
     r._pool.close(grace_s=1)
-    assert procs and not any(p.is_alive() for p in procs)
+    assert not _alive(pid)
     t.join(timeout=30)
-    assert errors and "the reward worker process died" in errors[0]  # the waiting scorer is told, not left hanging
+    assert errors and "the reward worker process died" in errors[0]
+
+
+def test_a_hung_call_kills_only_its_own_worker(mod, tmp_path):
+    """Part 8 of issue 42: a call past task.reward_timeout_s has its worker killed and replaced;
+    the calls in flight in the other workers when it is killed finish where they started (each
+    started once, its result from the same process, which is still alive), and the pool serves
+    the next step. Before (concurrent.futures), one hang killed every worker and resent the calls
+    in flight."""
+    timeout = 2.0
+    r = runner([spec(f"{mod}:logs_then_hangs")], workers=3, timeout_s=timeout, on_error="zero")
+    try:
+        r.score(samples_of([_row(i) for i in range(6)], ["warm"] * 6))  # every worker started
+        (tmp_path / "starts.log").unlink()
+        calls = ["hang", "pre-a", "pre-b", "slow-a", "slow-b"]  # slow-* start after pre-*, 0.5 s after hang
+        out = r.score(samples_of([_row(i) for i in range(5)], calls))
+        starts = _starts(tmp_path)
+        assert sorted(w for w, _, _ in starts) == sorted(calls)  # none resent
+        pid = {w: p for w, p, _ in starts}
+        t = {w: s for w, _, s in starts}
+        for w in ("slow-a", "slow-b"):  # running when the hung call was killed (1.9 s from its start)
+            assert t["hang"] + timeout - 1.9 < t[w] < t["hang"] + timeout, (t, w)
+        assert out.total == [0.0] + [float(pid[w]) for w in calls[1:]]  # each finished where it started
+        assert [f.origin for f in out.failures] == ["t.jsonl row 0"]
+        assert "reward_timeout_s=2" in out.failures[0].error
+        assert not _alive(pid["hang"]) and all(_alive(pid[w]) for w in calls[1:])
+        again = r.score(samples_of([_row(i) for i in range(3)], ["next"] * 3))
+        assert not again.failures and all(v > 0 for v in again.total)
+    finally:
+        r.close()
+
+
+def test_pool_without_pebble_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pebble", None)
+    with pytest.raises(ConfigError, match=r"needs pebble.*pip install 'rl\[rewards\]'.*reward_workers=0"):
+        runner([spec("rl:exact_match")], workers=2)
+
+
+def _row(i):
+    return type("E", (), {"prompt": "p", "answer": "a", "row": {}, "origin": f"t.jsonl row {i}"})()
+
+
+def _starts(tmp_path) -> list[tuple[str, int, float]]:
+    """(response, worker pid, start time) of every call logs_then_hangs started."""
+    path = tmp_path / "starts.log"
+    lines = path.read_text().split() if path.exists() else []
+    return [(w, int(pid), float(t)) for w, pid, t in (line.split(":") for line in lines)]
+
+
+def _started(tmp_path, what: str, timeout_s: float = 60) -> int:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = {w: p for w, p, _ in _starts(tmp_path)}
+        if what in pids:
+            return pids[what]
+        time.sleep(0.05)
+    raise AssertionError(f"{what} never started")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # The anchors' own documented reward functions, written out verbatim (issue 42):

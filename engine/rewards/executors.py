@@ -1,14 +1,15 @@
 """Where reward calls run: inline on the driver, in a watched thread (when a timeout is set),
-or in a pool of spawned processes (``task.reward_workers=N``).
+or in a pool of spawned processes (``task.reward_workers=N``, pebble's ProcessPool).
 
-Every executor takes a list of calls ``(target, batched, role, samples)`` and returns one
-outcome per call, in order: ``("ok", values)``, ``("err", message, where)`` or
+Every executor takes a list of calls ``(target, batched, role, samples[, state])`` and returns
+one outcome per call, in order: ``("ok", values)``, ``("err", message, where)`` or
 ``("timeout",)``. With ``stop_on_failure`` it stops at the first failure and leaves the
 remaining outcomes ``None`` (the caller raises).
 
-A hung call in the pool is ended by killing the pool's processes (a fresh pool replaces them;
-other in-flight calls are resubmitted). A hung call on the driver cannot be killed: its thread
-is abandoned (a daemon thread, it does not keep the process alive), so prefer
+In the pool each call has its own timeout, counted from when a worker starts it: a hung call's
+worker is killed and replaced (pebble), and the other calls in flight carry on in their own
+workers, neither resent nor restarted. A hung call on the driver cannot be killed: its thread is
+abandoned (a daemon thread, it does not keep the process alive), so prefer
 ``reward_workers>=1`` with a timeout for code that may hang.
 """
 
@@ -18,14 +19,11 @@ import multiprocessing
 import queue
 import sys
 import threading
-import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from typing import Optional
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from engine.rewards.call import run_call
 
-Call = tuple  # (target, batched, role, samples)
+Call = tuple  # (target, batched, role, samples[, state])
 
 
 def _failed(outcome) -> bool:
@@ -75,93 +73,88 @@ def _init_worker(path: list[str]) -> None:
     sys.path[:] = path
 
 
-def _reap(p, timeout_s: float) -> None:
-    """Wait until ``p`` has exited and its exit code is known. The pool's own manager thread
-    reaps its workers too: when it wins that race, ``p.join`` returns with the exit code still
-    unset (``is_alive()`` says True for a dead process) until the manager thread records it."""
-    deadline = time.monotonic() + timeout_s
-    p.join(timeout=timeout_s)
-    while p.exitcode is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _pebble():
+    try:
+        import pebble
+    except ImportError:
+        from engine.errors import ConfigError
+
+        raise ConfigError("task.reward_workers>=1 scores in a process pool that needs pebble, which is not "
+                          "installed. Install it with `pip install 'rl[rewards]'`, or set task.reward_workers=0 "
+                          "to score on the driver.", title="missing dependency") from None
+    return pebble
+
+
+def _outcome(future) -> tuple:
+    """A finished call's outcome; the pool's own ways of ending one become outcomes too."""
+    from concurrent.futures import CancelledError
+
+    try:
+        return future.result()
+    except TimeoutError:  # pebble's per-call timeout: the worker was killed and replaced
+        return ("timeout",)
+    except CancelledError:
+        return ("err", "the reward worker process died (stopped: the run is ending)", "")
+    except _pebble().ProcessExpired as e:
+        return ("err", f"the reward worker process died (exit code {e.exitcode}: killed, or crashed in native "
+                       f"code)", "")
+    except Exception as e:  # noqa: BLE001 - a sample that does not pickle, a broken pool
+        return ("err", f"{type(e).__name__}: {e}", "")
 
 
 class ProcessPool:
-    """A spawned process pool kept for the whole run; per-call timeouts kill and replace it."""
+    """A pool of spawned worker processes kept for the whole run (pebble's ProcessPool): a call
+    past its timeout has its own worker killed and replaced; the others are untouched."""
+
+    POLL_S = 0.5  # how often a waiting run() looks for calls that close() cancelled
 
     def __init__(self, workers: int):
+        _pebble()  # the missing-extra error at setup, not at the first step
         self.workers = workers
-        self._pool: Optional[ProcessPoolExecutor] = None
+        self._pool = None
+        self._inflight: set = set()
 
-    def _ensure(self) -> ProcessPoolExecutor:
+    def _ensure(self):
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(list(sys.path),))
-            # start every worker now, so the first calls' timeouts do not include process start-up
-            for f in [self._pool.submit(time.sleep, 0.05) for _ in range(2 * self.workers)]:
-                f.result()
+            self._pool = _pebble().ProcessPool(self.workers, context=multiprocessing.get_context("spawn"),
+                                               initializer=_init_worker, initargs=(list(sys.path),))
         return self._pool
-
-    def _kill(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        procs = list(getattr(pool, "_processes", {}).values())  # no public API to kill workers before 3.14
-        for p in procs:
-            p.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
-        for p in procs:
-            _reap(p, timeout_s=5)
 
     def close(self, grace_s: float = 5.0) -> None:
         """Stop the workers: idle ones exit; one still inside a call (a hung reward, an
-        interrupted run) is killed after ``grace_s``, so closing never blocks on user code."""
+        interrupted run) is killed after ``grace_s``, so closing never blocks on user code. A
+        run() waiting on such a call gets an error outcome for it."""
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        procs = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                _reap(p, timeout_s=5)
+        pool.close()
+        try:
+            pool.join(timeout=grace_s)
+        except TimeoutError:
+            for f in list(self._inflight):
+                f.cancel()
+            pool.stop()
+            pool.join()
 
     def run(self, calls: list[Call], timeout_s: float, stop_on_failure: bool) -> list:
+        pool = self._ensure()
         out: list = [None] * len(calls)
-        pending = list(range(len(calls)))[::-1]        # stack of calls not yet submitted
-        inflight: dict[Future, tuple[int, float]] = {}  # future -> (call index, deadline)
-        while pending or inflight:
-            pool = self._ensure()
-            while pending and len(inflight) < self.workers:  # at most one call per worker: a call starts when sent
-                i = pending.pop()
-                deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
-                inflight[pool.submit(run_call, *calls[i])] = (i, deadline)
-            wait_s = min(d for _, d in inflight.values()) - time.monotonic()
-            done, _ = wait(list(inflight), timeout=None if wait_s == float("inf") else max(wait_s, 0),
-                           return_when=FIRST_COMPLETED)
-            broken = False
-            for f in done:
-                i, _ = inflight.pop(f)
-                try:
-                    out[i] = f.result()
-                except BrokenProcessPool:
-                    out[i] = ("err", "the reward worker process died (killed, or crashed in native code)", "")
-                    broken = True
-                if stop_on_failure and _failed(out[i]):
-                    self._kill()
-                    return out
-            now = time.monotonic()
-            late = [(f, i) for f, (i, d) in inflight.items() if d <= now and not f.done()]
-            if late or broken:
-                for f, i in late:
-                    out[i] = ("timeout",)
-                    del inflight[f]
-                if stop_on_failure and late:
-                    self._kill()
-                    return out
-                # the pool's processes are stuck or gone: replace them, resend what was in flight
-                pending += [i for i, _ in inflight.values()]
-                inflight.clear()
-                self._kill()
-        return out
+        futures = [pool.schedule(run_call, args=c, timeout=timeout_s or None) for c in calls]
+        index = {f: i for i, f in enumerate(futures)}
+        pending = set(futures)
+        self._inflight |= pending
+        try:
+            while pending:
+                wait(pending, timeout=self.POLL_S, return_when=FIRST_COMPLETED)
+                done = [f for f in futures if f in pending and f.done()]  # in call order
+                for f in done:
+                    pending.discard(f)
+                    i = index[f]
+                    out[i] = _outcome(f)
+                    if stop_on_failure and _failed(out[i]):
+                        for g in pending:
+                            g.cancel()  # not started: dropped; running: only its worker is killed
+                        return out
+            return out
+        finally:
+            self._inflight -= set(futures)
