@@ -1,10 +1,14 @@
-"""A row file cut mid-line (what a crash during its append leaves) loses no row on `rl resume`.
+"""What a crash leaves in a run directory, and what `rl resume` makes of it.
 
-Each checkpoint carries the lines every row file gained since the previous checkpoint
+A row file cut mid-line (what a crash during its append leaves) loses no row: each checkpoint carries the lines every row file gained since the previous checkpoint
 (engine/checkpoint/carried_rows.py). These tests cut the last line of each row file of a real
 run at every byte offset and check the repair restores exactly the rows of the uninterrupted
 run, once each; then a real `rl resume` after a torn metrics row (the case that lost step 12's
 row in issue 47) continues with every step once and the straight run's values.
+
+Leftover directories of interrupted saves and prunes (.tmp-step_N, .stale-step_N-*,
+.deleting-step_N) are removed by `rl resume`, which says so, unless something wrote into them
+after it took the lock; `rl inspect-ckpt` lists them (engine/checkpoint/leftovers.py).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import pytest
 
 from engine.checkpoint.carried_rows import ROW_FILES, ROWS_FILE, repair_row_files
 from engine.checkpoint.plan import plan_resume
+from engine.checkpoint.leftovers import remove_leftovers
 from engine.checkpoint.run_files import row_step
-from tests.cli_utils import rl_concurrently
+from engine.trainer.run_lock import RunLock
+from tests.cli_utils import cli, rl, rl_concurrently
 
 RL_ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
 # 6 steps, a checkpoint every 2, held-out validation every 2 and sample rows every step: every
@@ -135,3 +141,63 @@ def test_resume_after_a_torn_metrics_row_has_every_step_once(straight, tmp_path)
             assert steps == [row_step(ln) for ln in lines(straight / name)], name
         resumes = [json.loads(ln) for ln in lines(run / "resumes.jsonl")]
         assert resumes[-1]["rows_restored"] == {"metrics.jsonl": [4]}
+
+
+def make_leftovers(run: Path, src: Path) -> list[str]:
+    """The three kinds, made as the code makes them: a save of step 6 cut short (no manifest), a
+    same-named leftover a save moved aside, and a pruned step_2 whose deletion was interrupted."""
+    shutil.copytree(src / "step_6", run / ".tmp-step_6")
+    (run / ".tmp-step_6" / "manifest.json").unlink()
+    shutil.copytree(src / "step_6", run / "step_6")
+    (run / "step_6" / "manifest.json").unlink()
+    os.replace(run / "step_6", run / ".stale-step_6-1733300000000000000")
+    shutil.copytree(src / "step_2", run / ".deleting-step_2")
+    return [".deleting-step_2", ".stale-step_6-1733300000000000000", ".tmp-step_6"]
+
+
+def test_leftovers_written_into_after_the_lock_are_kept(tmp_path):
+    """Only a leftover nothing touched since the lock holder started is removed: one another
+    process is still writing into (a file in it newer than the lock) is kept."""
+    import time
+
+    old, live = tmp_path / ".tmp-step_3", tmp_path / ".deleting-step_1"
+    for d in (old, live):
+        (d / "state").mkdir(parents=True)
+        (d / "state" / "__0_0.distcp").write_bytes(b"x")
+        os.utime(d / "state" / "__0_0.distcp", (1, 1))
+        os.utime(d / "state", (1, 1))
+        os.utime(d, (1, 1))
+    started = time.time()
+    (live / "state" / "__0_0.distcp").write_bytes(b"more")  # a live writer, after the lock was taken
+    (tmp_path / "step_1").mkdir()  # a checkpoint is never a leftover
+    removed, kept = remove_leftovers(tmp_path, older_than=started)
+    assert removed == [".tmp-step_3"] and kept == [".deleting-step_1"]
+    assert live.is_dir() and not old.exists() and (tmp_path / "step_1").is_dir()
+
+
+@pytest.mark.slow
+def test_resume_removes_leftovers_and_says_so_inspect_lists_them(straight, tmp_path):
+    """Each kind of leftover is listed by `rl inspect-ckpt` (table and --json); `rl resume`
+    refuses while another process holds the run's lock and leaves them; then a resume that
+    holds the lock removes them, says so, and finishes the run."""
+    run = stopped_after(straight, tmp_path / "run", 4)
+    names = make_leftovers(run, straight)
+    r = cli("inspect-ckpt", str(run), "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["info"]["leftovers"] == names
+    assert all(s["reason"].startswith("leftover") for s in rep["steps"] if s["name"] in names)
+    r = cli("inspect-ckpt", str(run))
+    assert "3 leftover(s) of interrupted saves or prunes" in " ".join(r.output.split())
+
+    with RunLock(run, command="a live writer"):
+        held = rl("resume", str(run), env=RL_ENV, timeout=300)
+    assert held.returncode == 2 and "in use by another rl run" in held.stderr, held.stderr[-2000:]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == names
+
+    r = rl("resume", str(run), env=RL_ENV, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = " ".join((r.stdout + r.stderr).split())
+    assert "removed 3 leftover(s) of interrupted saves or prunes" in out and all(n in out for n in names), out[-3000:]
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+    assert [row_step(ln) for ln in lines(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

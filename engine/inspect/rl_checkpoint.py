@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from engine.checkpoint.layout import (MANIFEST, RNG_FILE_RE, STEP_RE, TMP_STEP_RE,
                                       manifest_file_problems, step_from_name)
+from engine.checkpoint.leftovers import find_leftovers
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
 from engine.inspect.coverage import rl_coverage
@@ -306,11 +307,14 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None, verify: bool = 
         size, count = dir_size(d)
         info = StepInfo(name=d.name, step=step, complete=False, bytes=size, files=count)
         if TMP_STEP_RE.match(d.name):
-            info.reason = "save in progress or abandoned (never chosen; the next save removes it)"
+            info.reason = ("leftover: a save in progress or abandoned (never chosen; the next save, rl resume "
+                           "or rl train here removes it)")
         elif d.name.startswith(".stale-"):
-            info.reason = "an incomplete step dir moved aside by a later save (safe to delete)"
+            info.reason = ("leftover: an incomplete step dir moved aside by a later save (never chosen; rl resume "
+                           "or rl train here removes it)")
         elif d.name.startswith(".deleting-"):
-            info.reason = "being deleted by checkpoint pruning (or a prune was interrupted)"
+            info.reason = ("leftover: a pruned checkpoint whose deletion was interrupted (never chosen; rl resume "
+                           "or rl train here removes it)")
         elif not (d / MANIFEST).is_file():
             info.reason = "no manifest.json (interrupted save or hand copy; never chosen)"
         else:
@@ -328,6 +332,11 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None, verify: bool = 
                 info.reason = e.message
         run.steps.append(info)
 
+    leftovers = [p.name for p in find_leftovers(path)]
+    if leftovers:
+        run.info["leftovers"] = leftovers
+        run.notes.append(f"{len(leftovers)} leftover(s) of interrupted saves or prunes: {', '.join(leftovers[:6])}"
+                         f"{' ...' if len(leftovers) > 6 else ''}; the next `rl resume {shown}` removes them.")
     # "Latest" as rl resume defines it: the complete (manifest-holding) step with the highest N.
     complete = [s for s in run.steps if s.complete]
     if complete:

@@ -6,6 +6,9 @@ failure leaves behind.
 
 - preflight first (engine.trainer.preflight): nothing is created when it fails;
 - the lock (engine.trainer.run_lock) is held until the run ends, however it ends;
+- leftovers of interrupted saves and prunes (.tmp-step_N, .stale-step_N-*, .deleting-step_N)
+  that nothing wrote into since the lock was taken are removed, with a Notice
+  (engine/checkpoint/leftovers.py);
 - a new run that fails before its first metrics row or checkpoint removes everything it
   created (a retry with the same checkpoint.dir is never blocked by it);
 - a failed write (disk full, read-only file system, permissions), on the driver or on a rank,
@@ -16,11 +19,13 @@ failure leaves behind.
 from __future__ import annotations
 
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from engine.checkpoint.layout import TMP_PREFIX, complete_steps, latest_complete
+from engine.checkpoint.leftovers import describe_removed, remove_leftovers
 from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.events import Notice
@@ -96,6 +101,7 @@ def guarded_run(cfg: RunConfig, run_dir: Path, *, overrides: list[str], resume, 
     report.raise_if_failed()
     lock = RunLock(run_dir)
     before = _entries(run_dir)
+    locked_at = time.time()
     lock.acquire()
     rdir = RunDir(run_dir)
     failed = False
@@ -109,6 +115,9 @@ def guarded_run(cfg: RunConfig, run_dir: Path, *, overrides: list[str], resume, 
         else:
             _check_plan_current(resume, run_dir)
             rdir.load_env_refs(resume.overrides)
+        removed, _kept = remove_leftovers(run_dir, older_than=locked_at)  # only what no one wrote since the lock
+        if removed:
+            on_event(Notice(describe_removed(run_dir, removed)))
         yield rdir, report.inputs
     except BaseException as e:
         failed = True
