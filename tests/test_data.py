@@ -185,6 +185,67 @@ def test_fingerprint_refuses_changed_dataset(tmp_path, rewards_module):
     assert fingerprint_path(str(path)) != task.data_info["fingerprint"]
 
 
+def test_fingerprint_is_xxh3_of_the_bytes(tmp_path):
+    """A file's fingerprint is XXH3-128 over its name and bytes (issue 42 part 8: xxhash, already
+    a dependency, not a hand-picked sha256); a directory's covers every file by relative path."""
+    import xxhash
+
+    f = tmp_path / "train.jsonl"
+    f.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n')
+    assert fingerprint_path(str(f)) == xxhash.xxh3_128(b"train.jsonl\0" + f.read_bytes() + b"\0").hexdigest()
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.jsonl").write_bytes(b"B")
+    (d / "sub" / "a.jsonl").write_bytes(b"A")
+    assert fingerprint_path(str(d)) == xxhash.xxh3_128(b"b.jsonl\0B\0sub/a.jsonl\0A\0").hexdigest()
+
+
+def _old_record(run, path):
+    """dataset.json as rl wrote it before XXH3: a sha256 digest and no fingerprint_algorithm."""
+    import hashlib
+
+    digest = hashlib.sha256(path.name.encode() + b"\0" + path.read_bytes() + b"\0").hexdigest()
+    (run / "dataset.json").write_text(json.dumps({"format": "verl", "fingerprint": digest, "path": str(path),
+                                                  "rows": {"train": 6, "val": 0}, "previous": []}))
+    return digest
+
+
+def test_a_sha256_record_from_before_xxh3_still_guards_resume(tmp_path, rewards_module):
+    """Compatibility rule: a record without fingerprint_algorithm is sha256 and is compared by
+    recomputing sha256, so an old run resumes on its unchanged data and is refused on changed
+    data; the next record is XXH3, and unchanged data is not listed as a previous dataset."""
+    path = write_verl_parquet(tmp_path / "train.parquet", 6)
+    run = tmp_path / "run"
+    run.mkdir()
+    old = _old_record(run, path)
+    cfg = RunConfig(task=task_cfg(path, rewards_module))
+    assert dataset_refusals(run, cfg) == []  # same data, old digest
+    task = make_dataset_task(task_cfg(path, rewards_module), seed=0)
+    write_record(run, task.data_info)  # what the resumed run writes
+    rec = json.loads((run / "dataset.json").read_text())
+    assert rec["fingerprint_algorithm"] == "xxh3-128" and rec["fingerprint"] != old and rec["previous"] == []
+    assert dataset_refusals(run, cfg) == []
+
+    old = _old_record(run, path)
+    write_verl_parquet(path, 7)
+    (why,) = dataset_refusals(run, cfg)
+    assert f"changed (fingerprint {old[:12]} -> " in why
+    cfg.task.allow_dataset_change = True
+    write_record(run, make_dataset_task(task_cfg(path, rewards_module), seed=0).data_info)
+    rec = json.loads((run / "dataset.json").read_text())
+    assert rec["previous"] == [{"fingerprint": old, "path": str(path), "rows": {"train": 6, "val": 0},
+                                "fingerprint_algorithm": "sha256"}]
+
+
+def test_a_record_in_an_unknown_algorithm_is_a_clear_error(tmp_path, rewards_module):
+    path = write_verl_parquet(tmp_path / "train.parquet", 6)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "dataset.json").write_text(json.dumps({"fingerprint": "ab", "fingerprint_algorithm": "md7"}))
+    with pytest.raises(ConfigError, match=r"fingerprint algorithm 'md7'.*known: xxh3-128, sha256"):
+        dataset_refusals(run, RunConfig(task=task_cfg(path, rewards_module)))
+
+
 def test_dataset_name_from_the_local_hub_cache(tmp_path):
     """`task.path=owner/name` loads, offline, a dataset present in the local Hugging Face hub
     cache (the layout `huggingface-cli download --repo-type dataset` leaves); its fingerprint is

@@ -80,7 +80,8 @@ def test_file_task_reports_accuracy_and_each_reward(project):
                         for v in vals)
     assert [v["reward_failures"] for v in vals] == [1, 0] and "1 reward calls failed (scored 0)" in r.stderr
     record = json.loads((project / "ck" / "dataset.json").read_text())
-    assert record["format"] == "text" and len(record["fingerprint"]) == 64
+    assert record["format"] == "text" and record["fingerprint_algorithm"] == "xxh3-128"
+    assert len(record["fingerprint"]) == 32
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import string
 from pathlib import Path
 
 from engine.config.schema import TaskConfig
-from engine.data.fingerprint import fingerprint_path
+from engine.data.fingerprint import XXH3 as FINGERPRINT_ALGORITHM, fingerprint_path
 from engine.data.formats import check_columns, detect_format, to_examples
 from engine.data.load import open_dataset, pick_split
 from engine.errors import ConfigError
@@ -54,7 +54,8 @@ def make_dataset_task(cfg: TaskConfig, seed: int) -> Task:
     first = resolve(rewards[0].target) if rewards else None  # None: a reward model or remote scorer scores
     info = {"format": fmt, "source": opened.source, "kind": opened.kind, "split": cfg.split,
             "val_split": cfg.val_split or None, "columns": columns, "rows": {"train": len(train), "val": len(val)},
-            "fingerprint": fingerprint_path(cfg.path, cfg.subset), "path": cfg.path}
+            "fingerprint": fingerprint_path(cfg.path, cfg.subset), "fingerprint_algorithm": FINGERPRINT_ALGORITHM,
+            "path": cfg.path, "subset": cfg.subset or None}
     # printable ASCII lets the built-in character tokenizer serve the tiny model on text prompts; a
     # real model (model.path / a preset) brings its own tokenizer and ignores this
     return Task(cfg.name, train, val, first, alphabet=string.printable, reward_specs=specs, data_info=info)
