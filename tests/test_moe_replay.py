@@ -360,13 +360,13 @@ def test_grouped_records_follow_the_grouped_layout():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["algorithm.router_replay=replay", "rollout=vllm"], "only rollout=torch"),
-    (["algorithm.router_replay=record", "--engine", "megatron"], "fsdp engine only"),
+    (["algorithm.router_replay=record", "--engine", "megatron"], "tiny built-in model is dense"),
     (["algorithm.router_replay=replay"], "tiny built-in model is dense"),
     (["algorithm.router_replay=replays"], "did you mean"),
     (["algorithm.router_replay=replay", "engine.compile=true"], "engine.compile=false"),
 ])
 def test_router_replay_refused_clearly_where_it_cannot_run(overrides, needle, tmp_path):
-    """vLLM rollouts (no routing returned), the megatron engine and dense models are refused at
+    """vLLM rollouts (no routing returned) and dense models (on either engine) are refused at
     config time: exit 2, one paragraph naming the fix, no traceback."""
     from tests.cli_utils import cli, flat
 
@@ -475,7 +475,7 @@ def test_megatron_core_moe_layer_runs_on_cpu_with_its_own_routing_replay():
     layer (allgather dispatcher, per-expert MLPs, no TE) trains forward/backward over gloo, and
     its native RouterReplay records [tokens, k] per layer and replays them (own choice: same
     output; another routing: different output; the router still gets gradients). The rl
-    megatron engine does not build MoE models yet, so algorithm.router_replay is refused there."""
+    megatron engine replays through these per-router objects (tests/test_megatron_moe.py)."""
     shapes, same, diff, grad = run_ranks(_megatron_moe, 1)[0]
     assert shapes == [(12, 2), (12, 2)]
     assert same and diff > 1e-4 and grad > 0

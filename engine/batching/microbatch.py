@@ -25,7 +25,7 @@ that for a list of per-micro-batch outputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -303,3 +303,22 @@ def pad_stats(micro_batches: list[MicroBatch]) -> dict:
         "distinct_shapes": len(shapes),
         "shapes": shapes,
     }
+
+
+def zero_weight_twin(mb: MicroBatch) -> MicroBatch:
+    """A copy of ``mb`` whose rows count for nothing (loss and metrics 0), indices -1: what a rank
+    with fewer rows runs so that ranks whose forwards hold collectives run as many of them."""
+    b = mb.batch
+    out = {n: getattr(b, n).clone() for n in b.tensor_fields()}
+    out["response_mask"] = torch.zeros_like(out["response_mask"])
+    return replace(mb, batch=SequenceBatch(**out, extras=b.extras), indices=torch.full_like(mb.indices, -1),
+                   real_tokens=0, padded_tokens=0)
+
+
+def pad_micro_batch(mb: MicroBatch, rows: int, width: int, pad_token_id: int) -> MicroBatch:
+    """``mb`` (padded layout) widened to ``[rows, width]`` with empty rows and pad columns: the
+    shape agreed with ranks whose forwards exchange tokens (megatron's MoE all-gather)."""
+    if (rows, width) == tuple(mb.batch.input_ids.shape):
+        return mb
+    padded = _pad_columns(mb.batch, width, rows, pad_token_id)
+    return replace(mb, batch=padded, padded_tokens=rows * width if mb.padded_tokens else 0, shape=(rows, width))

@@ -310,6 +310,11 @@ class MegatronEngineConfig(EngineConfig):
     context_parallel_size: int = _f(1, "context-parallel ranks", min=1)
     sequence_parallel: bool = _f(False, "sequence parallel (forced off when TP = 1)")
     use_distributed_optimizer: bool = _f(True, "shard optimizer state over data-parallel ranks (GPU)")
+    expert_model_parallel_size: int = _f(1, "MoE: expert-parallel ranks (the experts of each layer split over them; "
+                                            "must divide the data-parallel ranks and the experts)", min=1)
+    moe_aux_loss_coef: float = _f(0.0, "MoE: load-balancing loss coefficient, Hugging Face's router_aux_loss_coef "
+                                       "(0 = none, as the FSDP engine trains)", min=0.0)
+    moe_z_loss_coef: float = _f(0.0, "MoE: router z-loss coefficient (ST-MoE; 0 = none)", min=0.0)
 
 
 @dataclass

@@ -374,6 +374,12 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 f"`trainer.nprocs` ({cfg.trainer.nprocs}) must be a multiple of tensor x pipeline x context "
                 f"parallel sizes ({mp}). Set trainer.nprocs={mp} or lower engine.tensor_model_parallel_size.",
                 title="invalid config")
+        if (cfg.trainer.nprocs // mp) % e.expert_model_parallel_size:
+            raise ConfigError(
+                f"`engine.expert_model_parallel_size={e.expert_model_parallel_size}` must divide the data-parallel "
+                f"ranks (trainer.nprocs / tensor x pipeline x context = {cfg.trainer.nprocs // mp}): experts are split "
+                f"over ranks of one data-parallel group. Set trainer.nprocs to a multiple of it, or lower it.",
+                title="invalid config")
     if e.fp8 and e.name != "megatron":
         raise ConfigError(
             f"`engine.fp8=true` is not implemented for engine={e.name}: FP8 training runs through "
@@ -385,11 +391,6 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 f"`algorithm.router_replay={cfg.algorithm.router_replay}` needs the rollout to record each "
                 f"token's experts, which only rollout=torch does (rollout={cfg.rollout.name} does not return "
                 f"routing). Use rollout=torch, or set algorithm.router_replay=off.", title="invalid config")
-        if e.name != "fsdp":
-            raise ConfigError(
-                f"`algorithm.router_replay={cfg.algorithm.router_replay}` replays routing in the fsdp engine "
-                f"only (engine={e.name}). Use --engine fsdp, or set algorithm.router_replay=off.",
-                title="invalid config")
         if e.compile:
             raise ConfigError(
                 f"`algorithm.router_replay={cfg.algorithm.router_replay}` with `engine.compile=true` is not "

@@ -90,7 +90,8 @@ def check_model_fits_run(cfg: RunConfig, model_path: str, vocab: dict) -> None:
     if cfg.engine.name == "megatron":
         from engine.backends.megatron.model import arch_from_hf_config, check_parallel_layout
 
-        check_parallel_layout(arch_from_hf_config(hf_config), cfg.engine.tensor_model_parallel_size)
+        check_parallel_layout(arch_from_hf_config(hf_config), cfg.engine.tensor_model_parallel_size,
+                              cfg.engine.expert_model_parallel_size)
 
 
 def prepare_inputs(cfg: RunConfig) -> RunInputs:

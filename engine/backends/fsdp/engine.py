@@ -22,6 +22,7 @@ from engine.backends.fsdp.units import (check_fsdp_units, compile_decoder_blocks
 from engine.backends.prompt_sharing import grouped_logits, response_log_probs
 from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
+from engine.batching.microbatch import zero_weight_twin
 from engine.batching.prompt_groups import group_prompts, to_response_columns
 
 
@@ -185,7 +186,7 @@ class FSDPEngine(TrainEngine):
         if len(mbs) < target:
             mbs = split(min(target, len(batch)), False)
         while len(mbs) < target:  # fewer rows than micro-batches: zero-weight twins
-            mbs.append(_zero_weight(mbs[0]))
+            mbs.append(zero_weight_twin(mbs[0]))
         return mbs
 
     def _measure(self, category: str, key=None):
@@ -404,17 +405,3 @@ class FSDPEngine(TrainEngine):
         return {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                 for n, p in self.model.named_parameters()
                 if self.lora_reference is None or p.requires_grad}  # LoRA: what the checkpoint holds
-
-
-def _zero_weight(mb):
-    """A copy of ``mb`` whose rows count for nothing (loss and metrics 0), indices -1."""
-    twin = copy.copy(mb)
-    b = mb.batch
-    out = {n: getattr(b, n).clone() for n in b.tensor_fields()}
-    out["response_mask"] = torch.zeros_like(out["response_mask"])
-    twin.batch = SequenceBatch(**out, extras=b.extras)
-    twin.indices = torch.full_like(mb.indices, -1)
-    twin.real_tokens = 0
-    twin.padded_tokens = 0
-    return twin
-

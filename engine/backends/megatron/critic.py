@@ -25,6 +25,8 @@ from dataclasses import replace
 
 import torch
 
+from engine.errors import ConfigError
+
 from engine.algorithms.value_loss import values_per_token
 from engine.backends.critic import Critic
 from engine.batch import SequenceBatch
@@ -97,6 +99,10 @@ class MegatronCritic(Critic):
                             cfg.trainer.seed, e.pad_token_id, e.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=e.use_te)
         check_parallel_layout(self.arch, e.tp_size)
+        if self.arch.is_moe:
+            raise ConfigError("algorithm=ppo on engine=megatron builds a dense critic; this critic model is a "
+                              "mixture of experts. Set critic.model_path to a dense model (e.g. a Llama/Qwen2 of "
+                              "the same tokenizer), or use engine=fsdp.", title="unsupported model")
         self.tcfg = transformer_config(self.arch, dtype=e.dtype, tp=e.tp_size,
                                        sequence_parallel=bool(e.tcfg.sequence_parallel), on_gpu=on_gpu,
                                        fp8=cfg.engine.fp8, recompute=cfg.engine.gradient_checkpointing)

@@ -7,6 +7,12 @@ them. ``dp_rank``/``dp_size`` tell the trainer how to shard data: the TP ranks o
 receive the same rows and compute the same thing (each on its slice of the weights). Pipeline
 and context parallelism are refused with a ConfigError (not implemented here).
 
+MoE (Mixtral). Each layer's experts are split over ``engine.expert_model_parallel_size`` ranks
+of the data-parallel group (TP = 1); the allgather dispatcher (CPU; alltoall on CUDA) gathers
+every EP rank's tokens in each MoE layer, so the EP ranks run the same number of forwards of the
+same shape (``_micro_batches`` agrees on both). Routing replay goes through megatron-core's
+per-router ``RouterReplay`` (routing_replay.py).
+
 Weights. The policy is first built as the same transformers model the FSDP backend builds
 (``engine.model.build.build_hf_model``: a local HF directory, or the seeded tiny model), then
 converted into this TP rank's megatron layout (``hf_convert``). Both backends therefore start
@@ -77,6 +83,11 @@ class MegatronEngine(TrainEngine):
     def _parallel_layout(self) -> tuple[int, bool]:
         e = self.cfg.engine
         tp = int(getattr(e, "tensor_model_parallel_size", 1))
+        ep = int(getattr(e, "expert_model_parallel_size", 1))
+        if (self.world_size // max(tp, 1)) % ep:
+            raise ConfigError(f"engine.expert_model_parallel_size ({ep}) must divide the data-parallel ranks "
+                              f"(trainer.nprocs / tensor_model_parallel_size = {self.world_size // max(tp, 1)}).",
+                              title="invalid parallel layout")
         pp = int(getattr(e, "pipeline_model_parallel_size", 1))
         cp = int(getattr(e, "context_parallel_size", 1))
         if pp != 1:
@@ -99,15 +110,17 @@ class MegatronEngine(TrainEngine):
             sp = False
         return tp, sp
 
-    def _init_parallel_state(self, tp: int) -> None:
+    def _init_parallel_state(self, tp: int, ep: int = 1) -> None:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
             if (ps.get_tensor_model_parallel_world_size() == tp
-                    and ps.get_pipeline_model_parallel_world_size() == 1):
+                    and ps.get_pipeline_model_parallel_world_size() == 1
+                    and ps.get_expert_model_parallel_world_size() == ep):
                 return
             ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                     expert_model_parallel_size=ep)
 
     def build(self) -> None:
         from megatron.core import parallel_state as ps
@@ -140,7 +153,8 @@ class MegatronEngine(TrainEngine):
         if c.engine.fused_kernels:
             self._note("engine.fused_kernels is ignored by the megatron backend (megatron-core's layers have their own)")
         tp, sp = self._parallel_layout()
-        self._init_parallel_state(tp)
+        ep = int(getattr(c.engine, "expert_model_parallel_size", 1))
+        self._init_parallel_state(tp, ep)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), tp
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -151,13 +165,20 @@ class MegatronEngine(TrainEngine):
         hf = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
                             self.pad_token_id, self.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=self.use_te)
-        check_parallel_layout(self.arch, tp)
+        check_parallel_layout(self.arch, tp, ep)
+        self.ep_size = ep
+        self.ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
+        self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.dtype = getattr(torch, c.model.dtype)
+        replay = self.arch.is_moe and c.algorithm.router_replay != "off"
         self.tcfg = transformer_config(self.arch, dtype=self.dtype, tp=tp, sequence_parallel=sp, on_gpu=on_gpu,
-                                       fp8=c.engine.fp8, recompute=c.engine.gradient_checkpointing)
-        self.mappings = param_mappings(self.arch)
+                                       fp8=c.engine.fp8, recompute=c.engine.gradient_checkpointing, ep=ep,
+                                       aux_loss_coef=float(getattr(c.engine, "moe_aux_loss_coef", 0.0)),
+                                       z_loss_coef=float(getattr(c.engine, "moe_z_loss_coef", 0.0)),
+                                       routing_replay=replay)
+        self.mappings = param_mappings(self.arch, ep_rank=self.ep_rank, ep_size=ep)
         hf_sd = {k: v.detach() for k, v in hf.named_parameters()}
-        local = hf_to_megatron(hf_sd, self.arch, self.tp_rank, tp)
+        local = hf_to_megatron(hf_sd, self.arch, self.tp_rank, tp, ep_rank=self.ep_rank, ep_size=ep)
 
         def make() -> torch.nn.Module:
             m = build_gpt_model(self.arch, self.tcfg, self.use_te)
@@ -172,6 +193,11 @@ class MegatronEngine(TrainEngine):
 
         gpt = make()
         ref = make().eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
+        self.router_replay = None  # routing_replay.MegatronRoutingReplay (algorithm.router_replay on)
+        if replay:
+            from engine.backends.megatron.routing_replay import MegatronRoutingReplay
+
+            self.router_replay = MegatronRoutingReplay(gpt)
         self._gen_model = hf.eval()
         self._gen_model.requires_grad_(False)
         del hf_sd, local
@@ -191,7 +217,7 @@ class MegatronEngine(TrainEngine):
         from engine.backends.megatron.sharded_state import ShardedState
 
         self.sharded = ShardedState(self.mappings, self._params, self.arch, self.tp_rank, tp, self.tp_group,
-                                    self.device)
+                                    self.device, ep_size=ep, ep_group=self.ep_group)
         plist = [self._params[m.megatron_name] for m in self.mappings]
         if on_gpu:
             from engine.backends.megatron.optimizer import MegatronOptimizer
@@ -200,8 +226,9 @@ class MegatronEngine(TrainEngine):
         else:
             from engine.backends.megatron.optimizer import MainGradAdamW
 
+            experts = frozenset(self._params[m.megatron_name] for m in self.mappings if m.is_expert)
             self.opt = MainGradAdamW(plist, c.optim, self.total_updates,
-                                     ps.get_model_parallel_group(), self.tp_rank)
+                                     ps.get_model_parallel_group(), self.tp_rank, experts, self.ep_group)
         from engine.batching.buckets import make_bucket_policy
 
         # long-lived (policy=learned sees every step); its top boundary is the longest sequence,
@@ -254,12 +281,28 @@ class MegatronEngine(TrainEngine):
                                   with_entropy)
 
     def _micro_batches(self, batch: SequenceBatch, observe: bool = True):
-        """Micro-batches of this DP group's rows. No count agreement across DP ranks is
-        needed: megatron DDP reduces gradients once, in finish_grad_sync()."""
-        from engine.batching.microbatch import split_micro_batches
+        """Micro-batches of this DP group's rows. Dense models need no agreement across DP
+        ranks: megatron DDP reduces gradients once, in finish_grad_sync(). With experts split
+        over EP ranks every MoE layer all-gathers the EP ranks' tokens, so those ranks run as
+        many micro-batches (zero-weight twins where one has fewer rows) of one shape each
+        (empty rows and pad columns added)."""
+        from engine.batching.microbatch import pad_micro_batch, split_micro_batches, zero_weight_twin
 
-        return split_micro_batches(batch, self._engine_cfg(), self.bucket_policy, self.pad_token_id,
-                                   observe=observe)
+        split = lambda k: split_micro_batches(batch, self._engine_cfg(), self.bucket_policy,  # noqa: E731
+                                              self.pad_token_id, min_micro_batches=k, observe=observe and k == 1)
+        mbs = split(1)
+        if self.ep_size == 1:
+            return mbs
+        n = torch.tensor([len(mbs)])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ep_group)
+        target = int(n)
+        if len(mbs) < target:
+            mbs = split(min(target, len(batch)))
+        while len(mbs) < target:
+            mbs.append(zero_weight_twin(mbs[0]))
+        shapes = torch.tensor([list(mb.batch.input_ids.shape) for mb in mbs])
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return [pad_micro_batch(mb, int(r), int(w), self.pad_token_id) for mb, (r, w) in zip(mbs, shapes.tolist())]
 
     def _measure(self, category: str):
         from contextlib import nullcontext
@@ -269,6 +312,53 @@ class MegatronEngine(TrainEngine):
     # ---- the update loop's hooks (engine/backends/base.py) -------------------------------
     def _begin_pass(self, model) -> None:
         self._refresh_fp8_weight_cache(model)
+
+    def _replays(self) -> bool:
+        return self.router_replay is not None and self.cfg.algorithm.router_replay == "replay"
+
+    def _forward_scope(self, model, batch: SequenceBatch, layout=None):
+        """The rollout's routing replayed in the policy's forward (and, kept open through the
+        backward, in megatron's recomputation); the reference model routes by itself."""
+        from contextlib import nullcontext
+
+        if not self._replays() or batch.routed_experts is None or model is not self.model:
+            return nullcontext()
+        return self.router_replay.replaying(batch.routed_experts, device=self.device)
+
+    @torch.no_grad()
+    def routing_report(self, batch: SequenceBatch) -> dict:
+        """Partial sums of the routing metrics (engine/moe/routing_metrics.py) on this rank's rows:
+        the policy's forward with its own routing (captured, compared to the rollout's records) and
+        replaying the records; log-probs of both against the rollout's."""
+        from engine.moe.routing_metrics import RoutingSums, add_routing, gap_sums
+
+        sums = RoutingSums()
+        if self.router_replay is None or batch.routed_experts is None:
+            return sums.to_dict()
+        self.model.eval()
+        self._begin_pass(self.model)
+        rr = self.router_replay
+        for mb in self._micro_batches(batch, observe=False):
+            b = mb.batch
+            real, k = mb.indices >= 0, mb.num_rows
+            with rr.recording():
+                lp_own, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
+                own = rr.take(*b.input_ids.shape)
+            with rr.replaying(b.routed_experts, device=self.device):
+                lp_rep, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
+            L, kk = rr.layers, rr.top_k
+            add_routing(sums, own[:k][real].reshape(-1, L, kk), b.routed_experts[:k][real].reshape(-1, L, kk))
+            mask, ro = b.response_mask[:k][real], b.rollout_log_probs[:k][real]
+            n, a, k3 = gap_sums(lp_own[:k][real].float().cpu(), ro, mask)
+            _, a2, k32 = gap_sums(lp_rep[:k][real].float().cpu(), ro, mask)
+            sums.response_tokens += n
+            sums.abs_gap_no_replay += a
+            sums.k3_no_replay += k3
+            sums.abs_gap_replay += a2
+            sums.k3_replay += k32
+        if self.tp_rank:  # the TP ranks of a DP group saw the same rows: one reports them
+            sums = RoutingSums()
+        return sums.to_dict()
 
     def _begin_accumulation(self, model) -> None:
         model.zero_grad_buffer()

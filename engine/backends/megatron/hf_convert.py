@@ -15,7 +15,14 @@ Layouts (H hidden, hd head dim, G key/value groups, R = queries per group, I MLP
 * ``row``  linear_proj / linear_fc2: row-parallel, split along the input dimension.
 * ``vocab`` word embeddings / output layer: rows padded to the padded vocab with zeros,
   split along the vocab dimension.
-* ``replicated`` RMSNorm weights: every TP rank holds the whole tensor.
+* ``replicated`` RMSNorm weights, and an MoE layer's router (``mlp.router.weight`` = HF
+  ``mlp.gate.weight``, [E, H]): every TP rank holds the whole tensor.
+* ``expert_fc1`` / ``expert_fc2`` (Mixtral): transformers 5.x stores a layer's experts fused,
+  ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first, as megatron's ``[gate; up]``) and
+  ``mlp.experts.down_proj`` [E, H, I]. Megatron holds one ``local_experts.{j}.linear_fc1`` /
+  ``linear_fc2`` per expert of this expert-parallel rank; local expert j of EP rank r is global
+  expert ``r * E/ep + j`` (``ParamMapping.expert``), one slice of the HF tensor. Several mappings
+  share one HF name; ``stack_experts`` puts the slices back together (after an all-gather over EP).
 
 Export concatenates the TP shards back and drops the vocab padding, so HF -> megatron ->
 HF is bit-exact (only slicing and concatenation, no arithmetic).
@@ -35,12 +42,32 @@ from engine.backends.megatron.model import Arch, padded_vocab_size
 class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
-    kind: str  # "qkv" | "fc1" | "row" | "vocab" | "replicated"
+    kind: str  # "qkv" | "fc1" | "row" | "vocab" | "replicated" | "expert_fc1" | "expert_fc2"
+    expert: int = -1  # expert kinds: the global expert index (the slice of the HF tensor)
+
+    @property
+    def is_expert(self) -> bool:
+        return self.kind.startswith("expert_")
+
+
+def _mlp_mappings(arch: Arch, m: str, h: str, ep_rank: int, ep_size: int) -> list[ParamMapping]:
+    if not arch.is_moe:
+        return [ParamMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
+                ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row")]
+    local = arch.num_experts // ep_size
+    out = [ParamMapping(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")]
+    for j in range(local):
+        e, x = ep_rank * local + j, f"{m}mlp.experts.local_experts.{j}."
+        out += [ParamMapping(x + "linear_fc1.weight", (h + "mlp.experts.gate_up_proj",), "expert_fc1", e),
+                ParamMapping(x + "linear_fc2.weight", (h + "mlp.experts.down_proj",), "expert_fc2", e)]
+    return out
 
 
 def param_mappings(arch: Arch, pre_process: bool = True, post_process: bool = True,
-                   layer_offset: int = 0, num_local_layers: int | None = None) -> list[ParamMapping]:
-    """Every trainable megatron parameter of one pipeline stage, in a fixed order."""
+                   layer_offset: int = 0, num_local_layers: int | None = None, ep_rank: int = 0,
+                   ep_size: int = 1) -> list[ParamMapping]:
+    """Every trainable megatron parameter of one pipeline stage (and expert-parallel rank), in a
+    fixed order."""
     n = arch.num_layers if num_local_layers is None else num_local_layers
     out: list[ParamMapping] = []
     if pre_process:
@@ -59,9 +86,8 @@ def param_mappings(arch: Arch, pre_process: bool = True, post_process: bool = Tr
         out += [
             ParamMapping(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"),
             ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"),
-            ParamMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
-            ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
         ]
+        out += _mlp_mappings(arch, m, h, ep_rank, ep_size)
     if post_process:
         out.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not arch.tie_word_embeddings:
@@ -71,7 +97,7 @@ def param_mappings(arch: Arch, pre_process: bool = True, post_process: bool = Tr
 
 def hf_param_names(arch: Arch) -> list[str]:
     """The HF trainable parameter names this architecture has (tied lm_head excluded)."""
-    return [n for m in param_mappings(arch) for n in m.hf_names]
+    return list(dict.fromkeys(n for m in param_mappings(arch) for n in m.hf_names))
 
 
 # ---- HF -> megatron -------------------------------------------------------------------------
@@ -86,6 +112,8 @@ def shard_from_hf(m: ParamMapping, hf: dict[str, torch.Tensor], arch: Arch, tp_r
                   tp_size: int) -> torch.Tensor:
     """This TP rank's piece of megatron parameter ``m`` built from full HF tensors."""
     ts = [hf[n] for n in m.hf_names]
+    if m.is_expert:  # experts are not split over TP here (MoE runs at TP=1)
+        return ts[0][m.expert].clone()
     if m.kind == "replicated":
         return ts[0].clone()
     if m.kind == "vocab":
@@ -112,7 +140,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Arch, tp_rank: int, tp_siz
 
 # ---- megatron -> HF -------------------------------------------------------------------------
 def hf_from_shards(m: ParamMapping, shards: Sequence[torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
-    """Full HF tensors of mapping ``m`` from its TP shards (in TP-rank order)."""
+    """Full HF tensors of mapping ``m`` from its TP shards (in TP-rank order); an expert mapping
+    gives its expert's slice (``stack_experts`` assembles them)."""
+    if m.is_expert:
+        return {m.hf_names[0]: shards[0].clone()}
     if m.kind == "replicated":
         return {m.hf_names[0]: shards[0].clone()}
     if m.kind == "vocab":
@@ -133,9 +164,25 @@ def hf_from_shards(m: ParamMapping, shards: Sequence[torch.Tensor], arch: Arch) 
     raise ValueError(f"unknown mapping kind {m.kind}")
 
 
+def stack_experts(slices: dict[str, list[tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """{HF name: [(global expert, slice), ...]} -> {HF name: [E, ...]}, every expert present once."""
+    out = {}
+    for name, parts in slices.items():
+        order = sorted(parts, key=lambda x: x[0])
+        if [e for e, _ in order] != list(range(len(order))):
+            raise ValueError(f"{name}: experts {[e for e, _ in order]} are not 0..E-1 exactly once")
+        out[name] = torch.stack([t for _, t in order])
+    return out
+
+
 def megatron_to_hf(shards: Sequence[dict[str, torch.Tensor]], arch: Arch, **stage) -> dict[str, torch.Tensor]:
-    """Full HF state dict from every TP rank's megatron tensors (list index = TP rank)."""
+    """Full HF state dict from every TP rank's megatron tensors (list index = TP rank; at EP=1)."""
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list] = {}
     for m in param_mappings(arch, **stage):
+        if m.is_expert:
+            experts.setdefault(m.hf_names[0], []).append((m.expert, shards[0][m.megatron_name].clone()))
+            continue
         out.update(hf_from_shards(m, [s[m.megatron_name] for s in shards], arch))
+    out.update(stack_experts(experts))
     return out

@@ -21,7 +21,9 @@ import torch
 
 from engine.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mixtral")
+# MoE architectures with no mapping to megatron's expert layout yet (engine=fsdp trains them)
+UNMAPPED_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "olmoe", "qwen3_next", "deepseek_v3", "deepseek_v2")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class Arch:
     rope_scaling_factor: float = 0.0       # llama3-style scaling factor; 0 = none
     rope_linear_factor: float = 0.0        # linear position interpolation factor; 0 = none
     fused_norms: bool = False              # TE spec: norm weights live in linear_qkv / linear_fc1
+    num_experts: int = 0                   # MoE (Mixtral): routed experts per layer; 0 = dense MLP
+    moe_top_k: int = 0                     # experts per token
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def queries_per_group(self) -> int:
@@ -66,6 +74,10 @@ def _rope(hf_config) -> tuple[float, dict]:
 def arch_from_hf_config(hf_config, fused_norms: bool = False) -> Arch:
     """Read and validate a transformers config (LlamaConfig/Qwen2Config or compatible)."""
     mt = getattr(hf_config, "model_type", "")
+    if mt in UNMAPPED_MOE_TYPES:
+        raise ConfigError(f"engine=megatron maps the MoE architecture mixtral to megatron's expert layout; this "
+                          f"model is {mt!r}, which has no mapping yet. Use engine=fsdp for it (it trains every "
+                          f"MoE architecture transformers has, with routing replay).", title="unsupported model")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"engine=megatron supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
                           f"this model is {mt!r}. Use engine=fsdp for it.", title="unsupported model")
@@ -99,13 +111,19 @@ def arch_from_hf_config(hf_config, fused_norms: bool = False) -> Arch:
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     qkv_bias = True if mt == "qwen2" else False
+    experts = int(getattr(hf_config, "num_local_experts", 0) or 0) if mt == "mixtral" else 0
+    if mt == "mixtral" and float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0):
+        raise ConfigError("engine=megatron: Mixtral's router_jitter_noise is not mapped (megatron's input jitter is "
+                          "another noise); set router_jitter_noise=0 in the model config or use engine=fsdp.",
+                          title="unsupported model")
     return Arch(model_type=mt, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
                 intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
                 num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rms_norm_eps=float(hf_config.rms_norm_eps),
                 rope_theta=theta, max_position_embeddings=hf_config.max_position_embeddings,
                 tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
                 qkv_bias=qkv_bias, rope_scaling_factor=llama3, rope_linear_factor=linear,
-                fused_norms=fused_norms)
+                fused_norms=fused_norms, num_experts=experts,
+                moe_top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0)
 
 
 def te_available() -> bool:
@@ -125,7 +143,21 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def check_parallel_layout(arch: Arch, tp: int) -> None:
+def check_parallel_layout(arch: Arch, tp: int, ep: int = 1) -> None:
+    if ep > 1 and not arch.is_moe:
+        raise ConfigError(f"engine.expert_model_parallel_size={ep} splits the experts of a mixture-of-experts "
+                          f"model over ranks; this model ({arch.model_type}) has no experts. Set "
+                          f"engine.expert_model_parallel_size=1.", title="invalid parallel layout")
+    if arch.is_moe and tp > 1:
+        raise ConfigError(f"engine=megatron trains MoE models with tensor_model_parallel_size=1 (experts are split "
+                          f"with engine.expert_model_parallel_size, the rest is data parallel); "
+                          f"tensor_model_parallel_size={tp} with experts is not supported yet. Set "
+                          f"engine.tensor_model_parallel_size=1.", title="unsupported parallel layout")
+    if arch.is_moe and arch.num_experts % ep:
+        fits = [e for e in range(1, arch.num_experts + 1) if arch.num_experts % e == 0]
+        raise ConfigError(f"engine.expert_model_parallel_size={ep} must divide the number of experts "
+                          f"({arch.num_experts}); this model takes {{{', '.join(map(str, fits))}}}.",
+                          title="invalid parallel layout")
     fits = [t for t in range(1, arch.num_heads + 1)
             if not (arch.num_heads % t or arch.num_kv_heads % t or arch.intermediate_size % t)]
     sizes = f" This model takes engine.tensor_model_parallel_size in {{{', '.join(map(str, fits))}}}."
@@ -139,7 +171,8 @@ def check_parallel_layout(arch: Arch, tp: int) -> None:
 
 
 def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, sequence_parallel: bool = False,
-                       on_gpu: bool = False, fp8: bool = False, recompute: bool = False):
+                       on_gpu: bool = False, fp8: bool = False, recompute: bool = False, ep: int = 1,
+                       aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, routing_replay: bool = False):
     """The megatron ``TransformerConfig`` for ``arch``. CPU: no fused kernels, CPU init."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -162,6 +195,9 @@ def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, 
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cuda_graph_scope=[],   # the default "full" is deprecated and warns on every build
     )
+    if arch.is_moe:
+        kw.update(moe_kwargs(arch, ep=ep, on_gpu=on_gpu, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                             routing_replay=routing_replay))
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8:
@@ -169,12 +205,42 @@ def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, 
     return TransformerConfig(**kw)
 
 
-def layer_spec(use_te: bool):
+def moe_kwargs(arch: Arch, *, ep: int, on_gpu: bool, aux_loss_coef: float, z_loss_coef: float,
+               routing_replay: bool) -> dict:
+    """The MoE part of the TransformerConfig: Mixtral's router is softmax -> top-k -> renormalise,
+    which is megatron's top-k on the logits then a softmax over the k (``moe_router_pre_softmax``
+    off), in fp32. Per-expert MLPs (no grouped GEMM: it needs TE or the grouped_gemm package), no
+    token dropping. Dispatcher: allgather on CPU (megatron's alltoall builds a CUDA stream),
+    alltoall on CUDA. Aux loss: ``aux_loss_coef`` is Hugging Face's ``router_aux_loss_coef``
+    (Switch load balancing summed over the k slots); megatron's loss averages over them, so its
+    coefficient is ``aux_loss_coef * k``. 0 (the default) adds no loss, as the FSDP engine does."""
+    balance = "aux_loss" if aux_loss_coef > 0 else "none"
+    return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
+                moe_ffn_hidden_size=arch.intermediate_size, expert_model_parallel_size=ep,
+                moe_token_dispatcher_type="alltoall" if on_gpu else "allgather", moe_grouped_gemm=False,
+                moe_router_load_balancing_type=balance, moe_aux_loss_coeff=aux_loss_coef * arch.moe_top_k,
+                moe_z_loss_coeff=z_loss_coef or None, moe_router_pre_softmax=False,
+                moe_router_score_function="softmax", moe_router_dtype="fp32", moe_permute_fusion=False,
+                moe_enable_routing_replay=routing_replay)
+
+
+def layer_spec(use_te: bool, arch: Arch | None = None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = arch.num_experts if arch is not None and arch.is_moe else None
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False)
+    return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+
+
+def patch_router_gemm() -> None:
+    """megatron-core 0.16 imports ``te_general_gemm`` only inside its Transformer-Engine ``try``
+    but reads it unconditionally in the router's gating linear: without TE every MoE forward
+    raises NameError. ``None`` is the value that makes it take its own torch path."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(arch: Arch, config, use_te: bool, pre_process: bool = True, post_process: bool = True):
@@ -188,8 +254,10 @@ def build_gpt_model(arch: Arch, config, use_te: bool, pre_process: bool = True, 
 
 
 def _gpt_model(GPTModel, arch: Arch, config, use_te: bool, tp: int, pre_process: bool, post_process: bool):
+    if arch.is_moe:
+        patch_router_gemm()
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(use_te),
+        config=config, transformer_layer_spec=layer_spec(use_te, arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp), max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",

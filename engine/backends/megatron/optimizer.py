@@ -10,6 +10,8 @@ into a contiguous fp32 buffer) and reduces those buffers over data-parallel rank
   for bf16 models it is an fp32 copy, written back after each step. ``main.grad`` is pointed
   at ``main_grad``; the global norm counts tensor-parallel-duplicated params (norms) once and
   all-reduces over the model-parallel group, then clips like ``torch.nn.utils.clip_grad_norm_``.
+  MoE experts split over expert-parallel ranks add their squares over the EP group (each rank
+  holds different experts; the rest is replicated over those ranks and counted once).
   Every data-parallel replica sees the same reduced ``main_grad`` and takes the same step.
 * ``MegatronOptimizer`` (CUDA): ``megatron.core.optimizer.get_megatron_optimizer`` (fp32 main
   params, fused clip, optional ``DistributedOptimizer`` sharding state over DP ranks). Not run
@@ -36,8 +38,11 @@ class MainGradAdamW:
     """torch AdamW on fp32 main params fed from megatron DDP's ``main_grad``."""
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, total_updates: int,
-                 model_parallel_group=None, tp_rank: int = 0):
+                 model_parallel_group=None, tp_rank: int = 0, expert_params: frozenset = frozenset(),
+                 expert_parallel_group=None):
         self.params = params
+        self.expert_ids = {id(p) for p in expert_params}
+        self.ep_group = expert_parallel_group
         self.mains: list[torch.nn.Parameter] = []
         for p in params:
             main = p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
@@ -50,12 +55,17 @@ class MainGradAdamW:
     # -- stepping ---------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        sq_experts = torch.zeros_like(sq)
         for p in self.params:
-            if _not_tp_duplicate(p, self.tp_rank):
+            if id(p) in self.expert_ids:
+                sq_experts += p.main_grad.float().pow(2).sum()
+            elif _not_tp_duplicate(p, self.tp_rank):
                 sq += p.main_grad.float().pow(2).sum()
         if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
             dist.all_reduce(sq, group=self.mp_group)
-        return sq.sqrt()
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(sq_experts, group=self.ep_group)
+        return (sq + sq_experts).sqrt()
 
     def step(self, clip: float) -> float:
         """Clip (``clip`` <= 0: off), step, copy fp32 mains back. Returns the pre-clip norm. A

@@ -11,6 +11,11 @@ model this backend trains (the policy in engine.py, the PPO critic in critic.py)
 * ``load_checkpoint_state(opt, state)``: slices this rank's TP shard out of the full tensors,
   so any TP/DP layout resumes any other (and an FSDP checkpoint with the same names).
 
+Experts (MoE): each expert-parallel rank holds E/ep experts of every layer; their HF tensors
+(``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) are assembled by an
+all-gather over the expert-parallel group, so a checkpoint holds every expert under its HF name
+whatever EP wrote it, and any EP size loads it (each rank slices its own experts back out).
+
 ``opt`` is a ``MainGradAdamW`` or ``MegatronOptimizer`` (optimizer.py): both give per-parameter
 access to the fp32 main value and the Adam state.
 """
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.backends.megatron.hf_convert import ParamMapping, hf_from_shards, shard_from_hf
+from engine.backends.megatron.hf_convert import ParamMapping, hf_from_shards, shard_from_hf, stack_experts
 from engine.backends.megatron.model import Arch
 
 
@@ -35,6 +40,8 @@ class ShardedState:
     tp_size: int
     tp_group: object
     device: torch.device
+    ep_size: int = 1
+    ep_group: object = None
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.tp_size == 1:
@@ -43,17 +50,37 @@ class ShardedState:
         dist.all_gather(parts, t.contiguous(), group=self.tp_group)
         return parts
 
+    def _gather_experts(self, local: dict[str, list[tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        """{HF name: this rank's [(global expert, slice)]} -> {HF name: [E, ...]} over the EP group
+        (local expert j of EP rank r is expert r * E/ep + j: the same j order on every rank)."""
+        if self.ep_size > 1:
+            gathered = {}
+            for name, parts in local.items():
+                mine = torch.stack([t for _, t in parts]).contiguous()
+                every = [torch.empty_like(mine) for _ in range(self.ep_size)]
+                dist.all_gather(every, mine, group=self.ep_group)
+                n = len(parts)
+                gathered[name] = [(r * n + j, x[j]) for r, x in enumerate(every) for j in range(n)]
+            local = gathered
+        return stack_experts(local)
+
     def gather_hf(self, local_of) -> dict[str, torch.Tensor]:
         """Full HF-named tensors from ``local_of(param)`` (this rank's TP shard), on every rank."""
         out: dict[str, torch.Tensor] = {}
+        experts: dict[str, list] = {}
         for m in self.mappings:
             t = local_of(self.params[m.megatron_name]).detach()
+            if m.is_expert:
+                experts.setdefault(m.hf_names[0], []).append((m.expert, t))
+                continue
             out.update({k: v.cpu() for k, v in hf_from_shards(m, self._gather(t), self.arch).items()})
+        out.update({k: v.cpu() for k, v in self._gather_experts(experts).items()})
         return out
 
     def checkpoint_state(self, opt) -> dict:
         model = self.gather_hf(lambda p: opt.main_param(p).float())
         optim: dict = {}
+        experts: dict[str, list] = {}
         hp = opt.group_hparams()
         for m in self.mappings:
             p = self.params[m.megatron_name]
@@ -62,6 +89,10 @@ class ShardedState:
             for key, v in st.items():
                 if key == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
+                if m.is_expert:
+                    experts.setdefault(f"state.{m.hf_names[0]}.{key}", []).append(
+                        (m.expert, v.detach().float().to(self.device)))
+                    continue
                 parts = self._gather(v.detach().float().to(self.device))
                 for name, full in hf_from_shards(m, parts, self.arch).items():
                     optim[f"state.{name}.{key}"] = full.cpu()
@@ -69,6 +100,7 @@ class ShardedState:
                 optim[f"state.{name}.step"] = step.clone()
                 for k, v in hp.items():
                     optim[f"param_groups.{name}.{k}"] = v
+        optim.update({k: v.cpu() for k, v in self._gather_experts(experts).items()})
         return {"model": model, "optim": optim}
 
     def load_checkpoint_state(self, opt, state: dict) -> None:
@@ -96,8 +128,14 @@ class ShardedState:
             opt.set_group_hparams(groups)
 
     def optimizer_coverage(self, opt) -> dict[str, bool]:
-        """Collective-free: HF name -> does AdamW hold state for it."""
-        return {name: opt.has_state(self.params[m.megatron_name]) for m in self.mappings for name in m.hf_names}
+        """Collective-free: HF name -> does AdamW hold state for it (an experts tensor: for every
+        expert of this rank)."""
+        out: dict[str, bool] = {}
+        for m in self.mappings:
+            has = opt.has_state(self.params[m.megatron_name])
+            for name in m.hf_names:
+                out[name] = out.get(name, True) and has
+        return out
 
     def param_shapes(self) -> dict[str, dict]:
         """Full (unsharded) shapes under HF names, as the manifest records them."""
@@ -106,7 +144,7 @@ class ShardedState:
             p = self.params[m.megatron_name]
             for name in m.hf_names:
                 out[name] = {"shape": list(hf_shape(name, m.kind, p, self.arch, self.tp_size)), "dtype": "float32"}
-        return out
+        return out  # an experts tensor is listed once (every local expert writes the same full shape)
 
     def param_count(self) -> int:
         return sum(int(torch.Size(s["shape"]).numel()) for s in self.param_shapes().values())
@@ -115,6 +153,8 @@ class ShardedState:
 def hf_shape(name: str, kind: str, p: torch.Tensor, arch: Arch, tp: int) -> tuple[int, ...]:
     """Full HF shape of ``name`` from its megatron shard ``p``."""
     a = arch
+    if kind.startswith("expert_"):
+        return (a.num_experts,) + tuple(p.shape)
     if kind == "replicated":
         return tuple(p.shape)
     if kind == "vocab":
