@@ -811,3 +811,25 @@ def test_run_files_that_are_not_regular_files_are_refused(small_run, tmp_path, k
         r = _cli("resume", str(run), "trainer.total_steps=4", *extra)
         assert r.exit_code == 2 and "metrics.jsonl is a" in " ".join(r.output.split()), r.output
     assert outside.read_text() == "keep me\n"
+
+
+def test_the_manifest_records_the_optimizer_the_engine_really_has(tmp_path):
+    """The manifest's optimizer type comes from the engine (it was the literal "AdamW" written by
+    the trainer whatever ran); the checkpoint package alone builds the manifest body."""
+    from engine.checkpoint.manifest import RunManifest, run_manifest
+    from engine.config.load import load_run_config
+
+    cfg = load_run_config([]).config
+    facts = {"optimizer_type": "SGD", "param_state": {"w": True}, "params": {"w": {"shape": [2], "dtype": "float32"}},
+             "num_params": 2, "lora": None}
+    m = run_manifest(cfg, samples_seen=8, world_size=2, dp_size=2, facts=facts, resolved_model_path="",
+                     saved_config={"k": 1}, versions={})
+    assert isinstance(m, RunManifest)
+    j = m.to_json()
+    assert j["optimizer"] == {"type": "SGD", "flattened": True, "param_state": {"w": True}}
+    assert j["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1} and j["engine"] == "fsdp" and "lora" not in j["model"]
+    d = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=1", f"checkpoint.dir={d}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((d / "step_1" / "manifest.json").read_text())["optimizer"]["type"] == "AdamW"

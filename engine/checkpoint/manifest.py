@@ -1,12 +1,51 @@
-"""Reading what a checkpoint says about itself: its manifest.json (validated) and the names
-and shapes in its DCP metadata (restricted unpickler; optionally every non-tensor value too)."""
+"""What a checkpoint says about itself: the manifest's body as the trainer hands it over
+(``RunManifest``, built here from the run's facts, so the checkpoint package alone decides what a
+manifest holds), and reading it back: manifest.json (validated) and the names and shapes in its
+DCP metadata (restricted unpickler; optionally every non-tensor value too)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.checkpoint.layout import FORMAT, MANIFEST, READABLE_CHECKPOINT_VERSIONS, STEP_RE, StepDir
 from engine.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """The run-dependent part of manifest.json; ``finalize_checkpoint`` adds the format, step,
+    time, files and their hashes."""
+
+    samples_seen: int
+    world_size: int
+    engine: str
+    parallel: dict      # {"dp", "tp", "pp", "cp"}
+    model: dict         # preset, path, resolved_path, num_params, params {name: shape, dtype}, lora
+    optimizer: dict     # type (the engine's optimizer class), flattened, param_state {name: has state}
+    config: dict        # the run's config as saved (interpolations kept)
+    versions: dict      # package versions
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def run_manifest(cfg, *, samples_seen: int, world_size: int, dp_size: int, facts: dict, resolved_model_path: str,
+                 saved_config: dict, versions: dict) -> RunManifest:
+    """The manifest body of a checkpoint of a run with config ``cfg``; ``facts``: what rank 0's
+    engine reports (RankWorker.checkpoint_facts: optimizer type and coverage, param shapes)."""
+    e = cfg.engine
+    model = {"preset": cfg.model.preset, "path": cfg.model.path, "num_params": facts["num_params"],
+             "resolved_path": resolved_model_path, "params": facts["params"]}
+    if facts.get("lora"):
+        model["lora"] = facts["lora"]
+    return RunManifest(
+        samples_seen=samples_seen, world_size=world_size, engine=e.name,
+        parallel={"dp": dp_size, "tp": getattr(e, "tensor_model_parallel_size", 1),
+                  "pp": getattr(e, "pipeline_model_parallel_size", 1), "cp": getattr(e, "context_parallel_size", 1)},
+        model=model,
+        optimizer={"type": facts["optimizer_type"], "flattened": True, "param_state": facts["param_state"]},
+        config=saved_config, versions=versions)
 
 
 def read_manifest(step: StepDir) -> dict:

@@ -16,12 +16,16 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.checkpoint.digest import (default_algorithm, hash_file, hashing_writer, json_bytes, seal_manifest,
                                       write_bytes_atomic)
 from engine.atomic_files import fsync_dir, fsync_tree, write_json_atomic
+
+if TYPE_CHECKING:
+    from engine.checkpoint.manifest import RunManifest
 from engine.checkpoint.layout import CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, step_dir_name
 
 
@@ -80,7 +84,7 @@ def save_rank_state(run_dir: Path, step: int, state: dict, rank: int, rng: dict)
     return out
 
 
-def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest: dict,
+def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest: "RunManifest | dict",
                         digests: dict[str, list] | None = None) -> Path:
     """After every rank saved: trainer.json, manifest.json last, rename into place.
 
@@ -102,8 +106,9 @@ def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest:
             if got is None or int(got[0]) != size or (got[2] if len(got) > 2 else None) != algorithm:
                 got = hash_file(p, algorithm)  # a file no writer reported (or hashed otherwise)
             files[rel], hashes[rel] = size, str(got[1])
+    body = manifest.to_json() if hasattr(manifest, "to_json") else dict(manifest)  # RunManifest (or a test's dict)
     manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest, "files": files,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **body, "files": files,
                 "hashes": {"algorithm": algorithm, "files": hashes}}
     write_json_atomic(d / MANIFEST, seal_manifest(manifest))
     final = run_dir / step_dir_name(step)

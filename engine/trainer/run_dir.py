@@ -202,6 +202,7 @@ class RunDir:
         self.rows = RowCarrier(self.path, step)
 
     def save(self, cfg: RunConfig, workers, step: int, stream) -> Path:
+        from engine.checkpoint.manifest import run_manifest
         from engine.checkpoint.save import finalize_checkpoint, prepare_tmp, tmp_dir
 
         prepare_tmp(self.path, step)
@@ -209,21 +210,10 @@ class RunDir:
         if self.rows is None:
             self.carry_rows_after(-1)
         self.rows.write(tmp_dir(self.path, step), step)  # what resume needs to put back a torn row
-        facts = workers.checkpoint_facts()
-        info = workers.info
-        e = cfg.engine
-        tp = getattr(e, "tensor_model_parallel_size", 1)
-        pp = getattr(e, "pipeline_model_parallel_size", 1)
-        cp = getattr(e, "context_parallel_size", 1)
-        manifest = {
-            "samples_seen": stream.pos.samples_seen, "world_size": len(info), "engine": e.name,
-            "parallel": {"dp": workers.dp_size, "tp": tp, "pp": pp, "cp": cp},
-            "model": {"preset": cfg.model.preset, "path": cfg.model.path, "num_params": facts["num_params"],
-                      "resolved_path": getattr(workers, "model_path", ""), "params": facts["params"],
-                      **({"lora": facts["lora"]} if facts.get("lora") else {})},
-            "optimizer": {"type": "AdamW", "flattened": True, "param_state": facts["param_state"]},
-            "config": self.saved_config(cfg), "versions": package_versions(),
-        }
+        manifest = run_manifest(cfg, samples_seen=stream.pos.samples_seen, world_size=len(workers.info),
+                                dp_size=workers.dp_size, facts=workers.checkpoint_facts(),
+                                resolved_model_path=getattr(workers, "model_path", ""),
+                                saved_config=self.saved_config(cfg), versions=package_versions())
         trainer_state = {"step": step, "samples_seen": stream.pos.samples_seen, "data": stream.state_dict(),
                          "learned_buckets": workers.bucket_state(),
                          "lr_scheduler": extra["lr_scheduler"]}

@@ -261,7 +261,8 @@ class RankWorker:
 
     def checkpoint_facts(self) -> dict:
         """What the manifest records about the model and optimizer (rank 0 asks)."""
-        return {"param_state": self.engine.optimizer_coverage(),
+        return {"optimizer_type": type(self.engine.optimizer).__name__,  # AdamW; megatron's optimizer on CUDA
+                "param_state": self.engine.optimizer_coverage(),
                 "params": self.engine.param_shapes(),
                 "num_params": self.engine.param_count(),
                 "lora": self.engine.lora_reference}
