@@ -74,18 +74,18 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     try:
         if e.greedy:
             say(f"greedy pass: {len(prompts)} prompts")
-            responses = generate(prompts, 1, True)
+            responses, ids = generate(prompts, 1, True)
             say(f"scoring {len(responses)} greedy responses")
-            scored, correct = _score(runner, examples, responses, 1, e.pass_threshold)
+            scored, correct = _score(runner, examples, responses, ids, 1, e.pass_threshold)
             failures += len(scored.failures)
             has_check = scored.correct is not None
             greedy_correct, greedy_reward = correct, scored.total
             rows += _rows("greedy", examples, sources, responses, scored, correct, 1)
         if e.n:
             say(f"sampled pass: {len(prompts)} prompts x {e.n} at temperature {e.temperature:g}")
-            responses = generate(prompts, e.n, False)
+            responses, ids = generate(prompts, e.n, False)
             say(f"scoring {len(responses)} sampled responses")
-            scored, correct = _score(runner, examples, responses, e.n, e.pass_threshold)
+            scored, correct = _score(runner, examples, responses, ids, e.n, e.pass_threshold)
             failures += len(scored.failures)
             has_check = has_check or scored.correct is not None
             sampled = (correct, scored.total)
@@ -125,7 +125,7 @@ def _check_fits(model_dir: str, tok, prompts: list[list[int]], max_new_tokens: i
 
 
 def _sampler(cfg, model_dir: str, tok, rows: int, say):
-    """(generate(prompts, n, greedy) -> decoded responses, device, close)."""
+    """(generate(prompts, n, greedy) -> (decoded responses, their token ids), device, close)."""
     import torch
 
     from engine.device import cuda_available, resolve_device
@@ -154,17 +154,18 @@ def _sampler(cfg, model_dir: str, tok, rows: int, say):
 
         sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, device)
 
-    def generate(prompts: list[list[int]], n: int, greedy: bool) -> list[str]:
+    def generate(prompts: list[list[int]], n: int, greedy: bool) -> tuple[list[str], list[list[int]]]:
         batch = sampler.generate(model, prompts, n, generator, greedy=greedy)
-        return [tok.decode(batch.input_ids[i][batch.response_mask[i] > 0].tolist()) for i in range(len(batch))]
+        ids = [batch.input_ids[i][batch.response_mask[i] > 0].tolist() for i in range(len(batch))]
+        return [tok.decode(x) for x in ids], ids
 
     return generate, device, sampler.shutdown
 
 
-def _score(runner, examples: list, responses: list[str], n: int, threshold: float):
+def _score(runner, examples: list, responses: list[str], ids: list, n: int, threshold: float):
     from engine.rewards.compute import samples_of
 
-    scored = runner.score(samples_of(examples, responses, n))
+    scored = runner.score(samples_of(examples, responses, n, ids))  # trainer_state: zeros (not training)
     correct = scored.correct if scored.correct is not None else [r >= threshold for r in scored.total]
     return scored, correct
 

@@ -7,14 +7,19 @@ Conventions (docs/data.md), told apart by the function's parameter names:
               (verl's ``compute_score``: a function that names ``solution_str``; called by keyword)
   batched     fn(prompts, completions, **columns) -> list of those   (TRL's convention: a function
               that names ``prompts`` or ``completions``, or takes only ``**kwargs``, is called by
-              keyword, as TRL calls it; ``async def`` functions are awaited)
+              keyword, as TRL calls it: prompts=, completions=, completion_ids= (each response's
+              token ids), trainer_state= (engine/rewards/trainer_state.py) and every column by
+              name; ``async def`` functions are awaited)
 
 ``row`` holds every dataset column except the prompt and the answer (verl's nested
 ``reward_model``, ``data_source`` and ``extra_info`` included, plus ``ground_truth`` taken from
 ``reward_model.ground_truth``). A function receives only the keyword arguments it names,
 unless it takes ``**kwargs``. In the batched convention a message prompt's completion is
 ``[{"role": "assistant", "content": text}]``, as in TRL, and each column is a list.
-``None`` means "does not apply" (TRL) and scores 0.
+A per-sample function gets ``trainer_state`` and ``completion_ids`` (its own) when it names them.
+``None`` means "does not apply" (TRL's None, made NaN there): the sample is left out of that
+function's mean and adds nothing to the weighted sum (TRL's nansum); engine/rewards/compute.py
+warns when every function returned None for a sample.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Sample:
     answer: str
     row: dict = field(default_factory=dict)
     origin: str = ""                  # where the row came from, e.g. "train.parquet row 17"
+    completion_ids: Optional[list] = None  # the response's token ids, as sampled (TRL's completion_ids)
 
 
 def resolve(target: str) -> Callable:
@@ -68,6 +74,7 @@ def _accepted(fn: Callable, kwargs: dict) -> dict:
 
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_ARGS = ("prompts", "completions")
+CALL_ARGS = ("completion_ids", "trainer_state")  # passed by name to any function that names them (TRL's too)
 
 
 def _names(fn: Callable) -> tuple[set, bool]:
@@ -85,9 +92,13 @@ def is_verl_style(fn: Callable) -> bool:
 
 
 def is_keyword_batched(fn: Callable) -> bool:
-    """TRL's reward function: it names prompts/completions, or takes only ``**kwargs``."""
+    """TRL's reward function: it names prompts, completions or completion_ids (and not the
+    per-sample prompt/response), or takes only ``**kwargs`` (and trainer_state)."""
     names, var_kw = _names(fn)
-    return bool(names & set(TRL_ARGS)) or (var_kw and names <= {"kwargs", "kw", "kwds"} and bool(names))
+    if names & {"prompt", "response"}:
+        return False
+    return bool(names & {*TRL_ARGS, "completion_ids"}) or \
+        (var_kw and names <= {"kwargs", "kw", "kwds", "trainer_state"} and bool(names))
 
 
 def _await(value):
@@ -100,25 +111,37 @@ def _await(value):
     return value
 
 
-def call_per_sample(fn: Callable, s: Sample):
+def _asked(fn: Callable, s: Optional[Sample], state) -> dict:
+    """completion_ids / trainer_state for a per-sample function that names them (not through
+    ``**row``: a row's columns stay exactly the dataset's)."""
+    names = _names(fn)[0]
+    asked = {"completion_ids": s.completion_ids if s is not None else None, "trainer_state": state}
+    return {k: v for k, v in asked.items() if k in names}
+
+
+def call_per_sample(fn: Callable, s: Sample, state=None):
     if is_verl_style(fn):  # verl passes every argument by keyword
         kwargs = {"data_source": s.row.get("data_source"), "solution_str": s.response, "ground_truth": s.answer,
                   "extra_info": s.row.get("extra_info")}
         return _await(fn(**_accepted(fn, kwargs)))
-    row = {k: v for k, v in s.row.items() if k not in ("prompt", "response", "answer")}
-    return _await(fn(s.prompt, s.response, s.answer, **_accepted(fn, row)))
+    row = {k: v for k, v in s.row.items() if k not in ("prompt", "response", "answer") + CALL_ARGS}
+    return _await(fn(s.prompt, s.response, s.answer, **_accepted(fn, row), **_asked(fn, s, state)))
 
 
 def completion_of(s: Sample):
     return [{"role": "assistant", "content": s.response}] if isinstance(s.prompt, list) else s.response
 
 
-def call_batched(fn: Callable, samples: list[Sample]) -> list:
+def call_batched(fn: Callable, samples: list[Sample], state=None) -> list:
+    """As TRL's GRPOTrainer calls a reward function: prompts=, completions=, completion_ids=,
+    trainer_state= and every dataset column (one value per sample) by name; a function receives
+    those it names, or all of them through ``**kwargs``."""
     keys: dict[str, None] = {"answer": None}
     for s in samples:
         keys.update(dict.fromkeys(s.row))
     columns = {k: [s.answer if k == "answer" else s.row.get(k) for s in samples] for k in keys
-               if k not in ("prompts", "completions")}
+               if k not in TRL_ARGS + CALL_ARGS}
+    columns |= {"completion_ids": [s.completion_ids for s in samples], "trainer_state": state}
     prompts, completions = [s.prompt for s in samples], [completion_of(s) for s in samples]
     if is_keyword_batched(fn):  # as TRL calls it: every argument by keyword
         return _await(fn(**_accepted(fn, {"prompts": prompts, "completions": completions, **columns})))
@@ -129,7 +152,7 @@ class BadValue(Exception):
     pass
 
 
-def as_score(value) -> tuple[float, Optional[bool]]:
+def as_score(value) -> tuple[Optional[float], Optional[bool]]:
     """A returned value -> (score, correct or None). Raises BadValue for anything else. A dict is
     verl's: ``{"score": float, "acc": bool, ...}`` (``acc``, when present, is the correctness)."""
     correct = None
@@ -147,7 +170,7 @@ def as_score(value) -> tuple[float, Optional[bool]]:
             raise BadValue(f"returned (score, {correct!r}); correct must be a bool")
         correct = bool(correct)
     if value is None:
-        return 0.0, correct
+        return None, correct  # does not apply: left out of this function's mean, 0 in the sum
     if isinstance(value, (numbers.Real, bool)) or (hasattr(value, "__float__") and not isinstance(value, str)):
         try:
             score = float(value)
@@ -191,15 +214,16 @@ def _where(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} in {f.name}" if f else ""
 
 
-def run_call(target: str, batched: bool, role: str, samples: list[Sample]) -> tuple:
-    """One call, made wherever it runs. Returns ("ok", [(score, correct), ...]) or
-    ("err", "ExcType: message", where). Never raises: worker processes send this back."""
+def run_call(target: str, batched: bool, role: str, samples: list[Sample], state=None) -> tuple:
+    """One call, made wherever it runs. Returns ("ok", [(score or None, correct), ...]) or
+    ("err", "ExcType: message", where). Never raises: worker processes send this back.
+    ``state``: the TrainerState a function that asks for ``trainer_state`` receives."""
     try:
         fn = resolve(target)
         if batched:
-            values = batch_values(call_batched(fn, samples), len(samples))
+            values = batch_values(call_batched(fn, samples, state), len(samples))
         else:
-            values = [call_per_sample(fn, s) for s in samples]
+            values = [call_per_sample(fn, s, state) for s in samples]
         if role == "correct":
             return "ok", [(0.0, as_correct(v)) for v in values]
         return "ok", [as_score(v) for v in values]

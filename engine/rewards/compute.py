@@ -5,6 +5,12 @@ config says (driver, watched thread, process pool). The total is the weighted su
 functions' scores; each function's mean is reported on its own. Correctness comes from
 ``task.correct_fn`` or from the first reward function that returns ``(score, correct)``.
 
+A function's ``None`` for a sample means "does not apply" (TRL): that sample is left out of the
+function's mean and adds 0 to the sum (TRL's nansum); when every function returned None for a
+sample, it is listed in ``RewardScores.unscored`` and a warning names the first such row (as TRL
+warns). Functions that ask for ``trainer_state`` get ``score(..., state=)`` (the last one given
+stays until another is).
+
 A call that raises, returns something that is not a score, or takes longer than
 ``task.reward_timeout_s``: with ``task.reward_on_error=raise`` a ``RewardError`` naming the
 function, the row and the exception; with ``zero`` the call scores 0 and is counted.
@@ -16,6 +22,7 @@ weighted scores to the same sum, are logged under their own names (``reward_mode
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +31,7 @@ from engine.rewards.call import Sample
 from engine.rewards.executors import ProcessPool, run_inline, run_watched
 from engine.rewards.scorers import BatchScorer, ScorerFailed
 from engine.rewards.spec import RewardFnSpec
+from engine.rewards.trainer_state import TrainerState
 
 
 @dataclass
@@ -60,7 +68,8 @@ class RewardScores:
     per_fn: dict[str, float]                 # each reward function's mean raw score
     correct: Optional[list[bool]]            # per sample, when the task defines correctness
     failures: list[RewardFailure] = field(default_factory=list)
-    per_sample_fn: dict[str, list[float]] = field(default_factory=dict)
+    per_sample_fn: dict[str, list] = field(default_factory=dict)  # None where a function returned None
+    unscored: list[int] = field(default_factory=list)  # samples for which every reward function returned None
 
 
 def _short(prompt: object, n: int = 80) -> str:
@@ -78,6 +87,8 @@ class RewardRunner:
         self.correct_spec = next((s for s in specs if s.role == "correct"), None)
         self.workers, self.timeout_s, self.on_error = workers, timeout_s, on_error
         self._pool = ProcessPool(workers) if workers > 0 else None
+        self.state = TrainerState()  # what a function asking for trainer_state gets (the last score()'s)
+        self._warned_unscored = False
 
     def describe(self) -> str:
         parts = [s.name if len(self.specs) == 1 and s.weight == 1.0 else f"{s.weight:g} x {s.name}"
@@ -114,7 +125,7 @@ class RewardRunner:
                 out[sc.name] = [e.partial.get(i, 0.0) for i in range(len(samples))]  # the rows it scored
         return out
 
-    def _calls(self, spec: RewardFnSpec, samples: list[Sample]) -> list[tuple[list[int], tuple]]:
+    def _calls(self, spec: RewardFnSpec, samples: list[Sample], state) -> list[tuple[list[int], tuple]]:
         idx = list(range(len(samples)))
         if not spec.batched:
             groups = [[i] for i in idx]
@@ -122,7 +133,7 @@ class RewardRunner:
             k = max(1, min(self.workers, len(samples)))
             size = -(-len(samples) // k)
             groups = [idx[a:a + size] for a in range(0, len(samples), size)]
-        return [(g, (spec.target, spec.batched, spec.role, [samples[i] for i in g])) for g in groups]
+        return [(g, (spec.target, spec.batched, spec.role, [samples[i] for i in g], state)) for g in groups]
 
     def _execute(self, calls: list[tuple], stop: bool) -> list:
         if self._pool is not None:
@@ -131,9 +142,11 @@ class RewardRunner:
             return run_watched(calls, self.timeout_s, stop)
         return run_inline(calls, stop)
 
-    def score(self, samples: list[Sample]) -> RewardScores:
+    def score(self, samples: list[Sample], state: Optional[TrainerState] = None) -> RewardScores:
+        if state is not None:
+            self.state = state
         specs = self.specs + ([self.correct_spec] if self.correct_spec else [])
-        plan = [(spec, groups) for spec in specs for groups in self._calls(spec, samples)]
+        plan = [(spec, groups) for spec in specs for groups in self._calls(spec, samples, self.state)]
         stop = self.on_error == "raise"
         outcomes = self._execute([c for _, (_, c) in plan], stop)
         n = len(samples)
@@ -159,8 +172,16 @@ class RewardRunner:
                 raise RewardError(failure, samples[group[0]].prompt if len(group) == 1 else None)
             failures.append(failure)  # scored 0, counted
         scored = self._run_scorers(samples, stop, failures)
-        total = [sum(s.weight * raw[s.name][i] for s in self.specs) +
+        total = [sum(s.weight * raw[s.name][i] for s in self.specs if raw[s.name][i] is not None) +
                  sum(sc.weight * scored[sc.name][i] for sc in self.scorers) for i in range(n)]
+        unscored = [i for i in range(n) if self.specs and not self.scorers
+                    and all(raw[s.name][i] is None for s in self.specs)]
+        if unscored and not self._warned_unscored:
+            self._warned_unscored = True  # once a run, as a step's rows would repeat it
+            first = samples[unscored[0]]
+            warnings.warn(f"every reward function returned None for {len(unscored)} of {n} samples, e.g. "
+                          f"{first.origin} (prompt {_short(first.prompt)}); they score 0. Make sure at least one "
+                          f"function returns a score for every sample.", stacklevel=2)
         correct = None
         if self.correct_spec is not None:
             correct = [bool(c) for c in returned_correct[self.correct_spec.name]]
@@ -171,8 +192,14 @@ class RewardRunner:
                     break
         raw.update(scored)
         names = [s.name for s in self.specs] + [sc.name for sc in self.scorers]
-        per_fn = {name: sum(raw[name]) / n if n else 0.0 for name in names}
-        return RewardScores(total, per_fn, correct, failures, {name: raw[name] for name in names})
+        per_fn = {name: _mean(raw[name]) for name in names}
+        return RewardScores(total, per_fn, correct, failures, {name: raw[name] for name in names}, unscored)
+
+
+def _mean(values: list) -> Optional[float]:
+    """The mean of the scores a function gave (its Nones left out, TRL's nanmean); None if none."""
+    given = [v for v in values if v is not None]
+    return sum(given) / len(given) if given else None
 
 
 def make_runner(task, task_cfg, scorers: tuple = ()) -> RewardRunner:
@@ -188,7 +215,10 @@ def make_runner(task, task_cfg, scorers: tuple = ()) -> RewardRunner:
                         on_error=task_cfg.reward_on_error, scorers=scorers)
 
 
-def samples_of(examples: list, responses: list[str], n: int = 1) -> list[Sample]:
-    """Responses (prompt-major, ``n`` per example) -> reward samples."""
-    return [Sample(ex.prompt, r, ex.answer, ex.row, ex.origin) for ex, r in
-            ((examples[i // n], r) for i, r in enumerate(responses))]
+def samples_of(examples: list, responses: list[str], n: int = 1,
+               completion_ids: Optional[list] = None) -> list[Sample]:
+    """Responses (prompt-major, ``n`` per example) -> reward samples; ``completion_ids``: each
+    response's token ids as sampled (TRL's ``completion_ids``)."""
+    ids = completion_ids if completion_ids is not None else [None] * len(responses)
+    return [Sample(ex.prompt, r, ex.answer, ex.row, ex.origin, c) for ex, r, c in
+            ((examples[i // n], r, c) for i, (r, c) in enumerate(zip(responses, ids)))]

@@ -264,13 +264,14 @@ def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]
     except (TypeError, ValueError):
         return  # builtins without a signature: nothing to check
     params = list(sig.parameters.values())
-    from engine.rewards.call import TRL_ARGS, VERL_ARGS, is_keyword_batched, is_verl_style
+    from engine.rewards.call import CALL_ARGS, TRL_ARGS, VERL_ARGS, is_keyword_batched, is_verl_style
 
     keyword_names = None  # the names a keyword-called function may take (verl's and TRL's conventions)
     if not spec.batched and is_verl_style(fn):
         keyword_names, convention = set(VERL_ARGS), "verl: compute_score(data_source, solution_str, ground_truth, extra_info)"
     elif spec.batched and is_keyword_batched(fn):
-        keyword_names, convention = set(TRL_ARGS) | {"answer"}, "TRL: fn(prompts=, completions=, **columns)"
+        keyword_names, convention = set(TRL_ARGS + CALL_ARGS) | {"answer"}, \
+            "TRL: fn(prompts=, completions=, completion_ids=, trainer_state=, **columns)"
     if keyword_names is not None:
         required = [p.name for p in params if p.default is p.empty
                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
@@ -304,7 +305,7 @@ def check_signature(spec: RewardFnSpec, fn: Callable, columns: Optional[set[str]
     extra_required = [p.name for p in params[len(base):] if p.default is p.empty
                       and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if columns is not None and not var_kw:
-        missing = [n for n in extra_required if n not in columns]
+        missing = [n for n in extra_required if n not in columns and n not in CALL_ARGS]
         if missing:
             raise ConfigError(f"reward function `{spec.name}{sig}` needs {', '.join(missing)}, which the dataset "
                               f"does not have (columns: {', '.join(sorted(columns)) or 'none'}). Give the "

@@ -12,7 +12,7 @@ ranks start (engine/trainer/worker_group.py).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -190,7 +190,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     n = cfg.algorithm.rollout_n
     gen_stats: list = []
     scores: list = []
-    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores)  # noqa: E731
+    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores, step)  # noqa: E731
     sampling = None
     if cfg.algorithm.dynamic_sampling:
         from engine.algorithms.dynamic_sampling import dynamic_sample
@@ -307,9 +307,10 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,
-                       timing: dict, gen_stats: list, scores: list) -> Rollout:
+                       timing: dict, gen_stats: list, scores: list, step: int = 1) -> Rollout:
     """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
-    functions (engine/rewards: serially or in a process pool); adds to ``timing`` (rollout, reward),
+    functions (engine/rewards: serially or in a process pool; with each response's token ids and
+    where training is, for functions that ask); adds to ``timing`` (rollout, reward),
     ``gen_stats`` (per rank) and ``scores`` (engine.rewards.compute.RewardScores per draw)."""
     import torch
 
@@ -325,8 +326,9 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t
 
     t = time.perf_counter()
-    responses = decode_responses(inputs.tokenizer, batch)
-    scored = inputs.rewards.score(samples_of(examples, responses, n))
+    responses, ids = decode_responses(inputs.tokenizer, batch), response_token_ids(batch)
+    state = reward_state(cfg, stream.n, stream.pos.samples_seen, completed_steps=step - 1)
+    scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
     scores.append(scored)
     rewards = torch.tensor(scored.total, dtype=torch.float32)
     correct = scored.correct
@@ -416,25 +418,39 @@ def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validatio
     workers.onload(step)
     batch, _ = workers.generate(inputs.val_prompts, 1, greedy=True)
     responses = decode_responses(inputs.tokenizer, batch)
-    scored = inputs.rewards.score(samples_of(inputs.task.val, responses))
+    state = replace(reward_state(cfg, len(inputs.train_prompts), 0, completed_steps=step),  # after step's update
+                    epoch=inputs.rewards.state.epoch)
+    scored = inputs.rewards.score(samples_of(inputs.task.val, responses, 1, response_token_ids(batch)), state)
     reward = sum(scored.total) / len(responses)
     acc = None if scored.correct is None else sum(scored.correct) / len(responses)
     return Validation(step, acc, reward, scored.correct, rewards=scored.total, reward_failures=len(scored.failures),
                       responses=responses)
 
 
+def response_token_ids(batch: SequenceBatch) -> list[list[int]]:
+    """Each response's token ids, as sampled (TRL's ``completion_ids``)."""
+    return [batch.input_ids[i][batch.response_mask[i] > 0].tolist() for i in range(len(batch))]
+
+
 def decode_responses(tokenizer, batch: SequenceBatch) -> list[str]:
-    out = []
-    for i in range(len(batch)):
-        ids = batch.input_ids[i][batch.response_mask[i] > 0].tolist()
-        out.append(tokenizer.decode(ids))
-    return out
+    return [tokenizer.decode(ids) for ids in response_token_ids(batch)]
+
+
+def reward_state(cfg: RunConfig, prompts: int, drawn: int, completed_steps: int):
+    """Where training is, for reward functions that ask for ``trainer_state`` (TRL's fields):
+    ``drawn`` of the ``prompts`` training prompts drawn so far."""
+    from engine.rewards.trainer_state import TrainerState
+
+    total = cfg.trainer.total_steps
+    return TrainerState(global_step=completed_steps, max_steps=total, epoch=drawn / prompts,
+                        num_train_epochs=total * cfg.data.train_batch_size / prompts)
 
 
 def _fn_means(scores: list) -> dict:
     """Each reward function's mean over every sample drawn this step (all dynamic-sampling rounds)."""
-    n = sum(len(sc.total) for sc in scores)
-    return {name: sum(sum(sc.per_sample_fn[name]) for sc in scores) / n for name in scores[0].per_fn}
+    # a function's Nones ("does not apply", TRL) are left out of its mean; one that gave none is not logged
+    given = {name: [v for sc in scores for v in sc.per_sample_fn[name] if v is not None] for name in scores[0].per_fn}
+    return {name: sum(v) / len(v) for name, v in given.items() if v}
 
 
 def _last_checkpoint_hint(run_dir: Path) -> str:
