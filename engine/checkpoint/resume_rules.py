@@ -64,6 +64,7 @@ ALLOWED: dict[str, str] = {
     "engine.context_parallel_size": "megatron checkpoints hold full tensors under HF names; " + _RESHARD,
     "engine.sequence_parallel": "megatron: activation layout only",
     "engine.use_distributed_optimizer": "megatron checkpoints hold full optimizer tensors; " + _RESHARD,
+    "engine.expert_model_parallel_size": "megatron checkpoints hold every expert under its HF name; " + _RESHARD,
     "task.reward_workers": "where reward functions run, not what they compute",
     "task.reward_timeout_s": "a timeout",
     "task.reward_on_error": "what happens when a reward call fails (scores are unchanged otherwise)",

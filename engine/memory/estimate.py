@@ -329,6 +329,7 @@ class _Layout:
     cp: int = 1
     sp: bool = False
     dist_opt: bool = False
+    ep: int = 1          # megatron MoE: ranks the experts of each layer are split over
 
 
 def _layout(run_cfg: RunConfig) -> _Layout:
@@ -345,7 +346,7 @@ def _layout(run_cfg: RunConfig) -> _Layout:
                           f"Set trainer.nprocs to a multiple of {mp}, or reduce the parallel sizes.",
                           title="invalid parallel layout")
     return _Layout("megatron", n, n // mp, tp, pp, cp, bool(getattr(e, "sequence_parallel", False)) and tp > 1,
-                   bool(getattr(e, "use_distributed_optimizer", True)))
+                   bool(getattr(e, "use_distributed_optimizer", True)), int(getattr(e, "expert_model_parallel_size", 1)))
 
 
 def _dtype_bytes(run_cfg: RunConfig) -> int:
@@ -365,6 +366,10 @@ def _params_on_rank(st: ModelStructure, lay: _Layout) -> tuple[int, int]:
         rep = sum(st.layer_replicated[i] for i in idx)
         lin = sum(st.layer_linear[i] for i in idx) // lay.tp
         n = split // lay.tp + rep
+        if st.moe and lay.ep > 1:  # each EP rank holds 1/ep of every layer's experts (MoE runs at TP=1)
+            away = st.moe["expert_params"] * len(idx) // max(st.moe["moe_layers"], 1)
+            away -= away // lay.ep
+            n, lin = n - away, lin - away
         if k == 0:
             n += st.embed // lay.tp + st.other
         if k == lay.pp - 1:
@@ -700,12 +705,13 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
         moe = dict(st.moe, router_replay=run_cfg.algorithm.router_replay,
                    routing_bytes_rollout_batch=routing_record_bytes(st.moe, sh.seqs_per_step * sh.seq_len),
                    routing_bytes_micro_batch=routing_record_bytes(st.moe, sh.micro_tokens))
-        notes.append("mixture of experts: every expert's parameters are counted (all experts live on every "
-                     "rank); activations use the dense per-layer formula with config intermediate_size, a rough "
-                     "figure for routed MLPs")
+        where = (f"1/{lay.ep} of each layer's experts on a rank (engine.expert_model_parallel_size={lay.ep})"
+                 if lay.ep > 1 else "every expert's parameters are counted (all experts live on every rank)")
+        notes.append(f"mixture of experts: {where}; activations use the dense per-layer formula with config "
+                     "intermediate_size, a rough figure for routed MLPs")
     return MemoryEstimate(
         model=st.source, param_count=st.total, model_bytes=cur["model_bytes"], backend=lay.backend,
-        layout={"nprocs": lay.nprocs, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp},
+        layout={"nprocs": lay.nprocs, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep},
         dtype=run_cfg.model.dtype, assumptions=cur["assumptions"], per_rank=cur["per_rank"],
         phases=cur["phases"], peak_phase=cur["peak"].phase, peak_bytes=cur["peak"].total,
         device_memory_bytes=device_memory_bytes, offload_matrix=matrix, fixes=fixes[:5],
