@@ -321,3 +321,43 @@ def test_megatron_mixtral_ep2_run_learns_with_replay_and_resumes_at_ep1(tmp_path
     again = rl("resume", str(d), "trainer.total_steps=32", "engine.expert_model_parallel_size=1", "--json")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["last_step"] == 32
+
+
+def _aux_loss(rank, world, path):
+    import warnings
+
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from transformers import AutoModelForCausalLM
+
+    from engine.batch import SequenceBatch
+    from tests.tiny_hf import char_tokenizer
+
+    warnings.filterwarnings("ignore")
+    tok = char_tokenizer()
+    cfg, eng = _engine(path, tok, "megatron", "trainer.nprocs=1", "engine.moe_aux_loss_coef=0.01")
+    ids = torch.randint(2, tok.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    one = torch.ones_like(ids)
+    b = SequenceBatch(input_ids=ids, attention_mask=one, response_mask=one.float(),
+                      prompt_lengths=torch.ones(3, dtype=torch.long))
+    eng.model.train()
+    eng._forward_logits(eng.model, b)
+    raw = float(get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][0])
+    hf = AutoModelForCausalLM.from_pretrained(path, output_router_logits=True).float()
+    hf_raw = float(hf(input_ids=ids, attention_mask=one).aux_loss)
+    return {"megatron_added": eng.tcfg.moe_aux_loss_coeff * raw, "hf_added": 0.01 * hf_raw,
+            "default_type": _cfg(path, "megatron", "trainer.nprocs=1").engine.moe_aux_loss_coef}
+
+
+def test_moe_aux_loss_coef_adds_what_hugging_face_router_aux_loss_coef_adds(tmp_path):
+    """engine.moe_aux_loss_coef has transformers' router_aux_loss_coef meaning: on a one-layer
+    Mixtral, the load-balancing loss megatron adds (its coefficient x its loss, which averages
+    over the k slots) equals 0.01 x the aux_loss transformers computes on the same tokens; the
+    default is 0 (the FSDP engine adds none)."""
+    from tests.dist_utils import run_ranks
+    from tests.tiny_hf import save_tiny_model
+
+    path = save_tiny_model("mixtral", tmp_path / "mixtral1", layers=1, experts=EXPERTS)
+    r = run_ranks(_aux_loss, 1, str(path))[0]
+    assert r["hf_added"] > 0
+    assert abs(r["megatron_added"] - r["hf_added"]) < 1e-6 * max(1.0, r["hf_added"]), r
+    assert r["default_type"] == 0.0
