@@ -4,6 +4,10 @@ started with `ip netns exec ... ray start`. The namespaces share the filesystem;
 get a private directory mounted over one path (its Ray runs in its own mount namespace) to
 play a node that does not share that directory.
 
+Token authentication is on (Ray's documented way: ``RAY_AUTH_MODE=token`` and the token in
+``RAY_AUTH_TOKEN`` on every node and driver; docs/cluster.md): every command run on a host gets
+both, unless a test passes other values (``env_extra``) to play a driver without the token.
+
 Everything is created by the test and torn down in ``close()`` (always called from a fixture's
 finally): the namespaces' processes are killed, the namespaces (and so the veth pair) deleted.
 Root only; ``TwoHosts.create`` raises ``pytest.skip`` with the reason where namespaces cannot
@@ -12,6 +16,7 @@ be made."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,7 +39,7 @@ def _ip(*args, check=True) -> subprocess.CompletedProcess:
 
 
 class TwoHosts:
-    def __init__(self, private_view: Path | None = None, private_dir: Path | None = None):
+    def __init__(self, private_view: Path | None = None, private_dir: Path | None = None, auth: bool = True):
         tag = str(os.getpid() % 100000)
         self.ns = {"A": f"rl{tag}a", "B": f"rl{tag}b"}
         self.veth = (f"rl{tag}va", f"rl{tag}vb")
@@ -43,6 +48,7 @@ class TwoHosts:
         self.private_view, self.private_dir = private_view, private_dir
         self.address = f"{HEAD_IP}:{PORT}"
         self.created: list[str] = []
+        self.token = secrets.token_hex(16) if auth else ""
 
     # ---- namespaces -------------------------------------------------------------------
     def create(self) -> None:
@@ -68,17 +74,21 @@ class TwoHosts:
             _ip("-n", ns, "link", "set", dev, "up")
 
     def env(self, host: str, **extra) -> dict:
-        """A host's environment: its own Ray temp dir; never the local-only Ray setting (it
-        makes `ray start --address` refuse to join) nor an inherited RAY_ADDRESS."""
-        return child_env(RAY_TMPDIR=str(self.tmp[host]), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=None, RAY_ADDRESS=None,
-                         **extra)
+        """A host's environment: its own Ray temp dir, the cluster's auth settings (token mode
+        and its token, or auth off); never the local-only Ray setting (it makes `ray start
+        --address` refuse to join) nor an inherited RAY_ADDRESS or token file path."""
+        auth = ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token} if self.token
+                else {"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": None})
+        return child_env(**{"RAY_TMPDIR": str(self.tmp[host]), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": None,
+                            "RAY_ADDRESS": None, "RAY_AUTH_TOKEN_PATH": None, **auth, **extra})
 
     def cmd(self, host: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns[host], *argv]
 
-    def run(self, host: str, argv: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(self.cmd(host, argv), env=self.env(host), capture_output=True, text=True,
-                              timeout=timeout, **kw)
+    def run(self, host: str, argv: list[str], timeout: float = 600, env_extra: dict | None = None,
+            **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(self.cmd(host, argv), env=self.env(host, **(env_extra or {})), capture_output=True,
+                              text=True, timeout=timeout, **kw)
 
     def popen(self, host: str, argv: list[str], log: Path, **kw) -> subprocess.Popen:
         """Start ``argv`` on ``host`` in the background, its output going to the file ``log``

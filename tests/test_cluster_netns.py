@@ -2,16 +2,21 @@
 each (1 CPU), joined over a veth pair at 10.231.0.1 / 10.231.0.2, sharing the filesystem except
 one directory that host B sees privately. The driver runs on host A (`ip netns exec`).
 
+The cluster runs with Ray's token authentication on (RAY_AUTH_MODE=token, the token in
+RAY_AUTH_TOKEN on both nodes and the driver, tests/netns_cluster.py).
+
 Protects: ranks placed on both hosts meet at rank 0's node address (not 127.0.0.1) and train
 like a single-node run; an unplaceable request and a checkpoint dir not shared by every node
 are refused at start; losing host B mid-run ends the run cleanly naming the rank and node,
-and `rl resume` finishes it once the host is back."""
+and `rl resume` finishes it once the host is back; a driver without the cluster's token, or
+with a wrong one, is refused at once (exit 2) naming the address and the fix."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -62,6 +67,30 @@ def test_two_ranks_on_two_hosts_match_single_node(hosts, tmp_path):
         for k in ("pg_loss", "grad_norm", "entropy"):
             assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (k, g, w)
         assert g["driver_bytes"]["sent"] > 0 and g["driver_bytes"]["received"] > 0
+
+
+@pytest.mark.parametrize("token", [None, "not-the-clusters-token-5f1c"], ids=["missing", "wrong"])
+def test_driver_without_the_clusters_token_is_refused_naming_the_fix(hosts, token):
+    """A driver on host A with no token (RAY_AUTH_MODE unset, as a user who never heard of it)
+    or a wrong one: exit 2 within seconds (Ray alone retried ~20 s, printing a warning a second,
+    then said only "Failed to connect"), one paragraph naming the cluster's address and the
+    fix (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), never the token sent; nothing written."""
+    h, shared = hosts
+    d = shared / f"no_token_{token is None}"
+    env = {"RAY_AUTH_MODE": None if token is None else "token", "RAY_AUTH_TOKEN": token}
+    t0 = time.monotonic()
+    r = h.run("A", rl_cmd("train", f"trainer.ray_address={h.address}", *RUN, "trainer.total_steps=1",
+                          f"checkpoint.dir={d}"), timeout=300, env_extra=env)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    err = plain(r.stderr)
+    assert "requires token authentication" in err and h.address in err, err
+    assert "RAY_AUTH_MODE=token" in err and "RAY_AUTH_TOKEN" in err, err
+    assert ("sent no token" in err) if token is None else ("rejected the token" in err), err
+    assert "Traceback" not in err and "InvalidAuthToken" not in err and "Failed to connect" not in err, err
+    assert token is None or token not in r.stdout + r.stderr
+    assert took < 90, f"refused after {took:.0f} s"  # rl's start-up and one GCS request, however loaded
+    assert not metrics_rows(d) and not list(d.glob("step_*"))
 
 
 def test_unplaceable_request_is_refused_naming_the_cluster(hosts):

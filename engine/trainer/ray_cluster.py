@@ -141,7 +141,7 @@ def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
     target = resolve_address(address)
     wait_reachable(target, connect_timeout_s)
     _set_local_only(target.loopback)
-    if target.local:  # the private Ray: no token auth (a joined cluster's auth is left to the user's env)
+    if target.local:  # the private Ray: no token auth (a joined cluster's: the user's env, engine/trainer/ray_auth.py)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
@@ -166,8 +166,16 @@ def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
                     os.environ["RAY_ADDRESS"] = saved
             reaper = start_reaper(ray, since=t0)
         else:
+            from ray.exceptions import AuthenticationError
+
+            from engine.trainer.ray_auth import auth_error, check_cluster_accepts_driver, check_token_settings
+
+            check_token_settings(target.address)
+            check_cluster_accepts_driver(target.address, connect_timeout_s)  # a refused token: exit 2 at once
             try:
                 ray.init(address=target.address, **kwargs)
+            except AuthenticationError:
+                raise auth_error(target.address) from None
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise UserError(f"Could not join the {target.describe()}: {e}. Check that the cluster is "
                                 f"running (`ray status --address ...`) and reachable from this machine, or "
