@@ -66,7 +66,7 @@ def logs_then_hangs(prompt, response, answer):
     import os
     with open("starts.log", "a") as f:
         f.write(f"{response}:{os.getpid()}:{time.time()}\\n")
-    time.sleep({"hang": 600, "slow": 1.9, "pre": 0.5}.get(response.split("-")[0], 0.1))
+    time.sleep({"hang": 600, "slow": 3.5, "pre": 2.5}.get(response.split("-")[0], 0.1))
     return float(os.getpid())
 '''
 
@@ -263,22 +263,22 @@ def test_a_hung_call_kills_only_its_own_worker(mod, tmp_path):
     started once, its result from the same process, which is still alive), and the pool serves
     the next step. Before (concurrent.futures), one hang killed every worker and resent the calls
     in flight."""
-    timeout = 2.0
+    timeout = 5.0  # slow-* run 2.5-6 s after hang starts: across its kill at 5 s, within their own 5 s
     r = runner([spec(f"{mod}:logs_then_hangs")], workers=3, timeout_s=timeout, on_error="zero")
     try:
         r.score(samples_of([_row(i) for i in range(6)], ["warm"] * 6))  # every worker started
         (tmp_path / "starts.log").unlink()
-        calls = ["hang", "pre-a", "pre-b", "slow-a", "slow-b"]  # slow-* start after pre-*, 0.5 s after hang
+        calls = ["hang", "pre-a", "pre-b", "slow-a", "slow-b"]  # slow-* start after pre-*, 2.5 s after hang
         out = r.score(samples_of([_row(i) for i in range(5)], calls))
         starts = _starts(tmp_path)
         assert sorted(w for w, _, _ in starts) == sorted(calls)  # none resent
         pid = {w: p for w, p, _ in starts}
         t = {w: s for w, _, s in starts}
-        for w in ("slow-a", "slow-b"):  # running when the hung call was killed (1.9 s from its start)
-            assert t["hang"] + timeout - 1.9 < t[w] < t["hang"] + timeout, (t, w)
+        for w in ("slow-a", "slow-b"):  # running when the hung call was killed (3.5 s from its start)
+            assert t["hang"] + timeout - 3.5 < t[w] < t["hang"] + timeout, (t, w)
         assert out.total == [0.0] + [float(pid[w]) for w in calls[1:]]  # each finished where it started
         assert [f.origin for f in out.failures] == ["t.jsonl row 0"]
-        assert "reward_timeout_s=2" in out.failures[0].error
+        assert "reward_timeout_s=5" in out.failures[0].error
         assert not _alive(pid["hang"]) and all(_alive(pid[w]) for w in calls[1:])
         again = r.score(samples_of([_row(i) for i in range(3)], ["next"] * 3))
         assert not again.failures and all(v > 0 for v in again.total)
