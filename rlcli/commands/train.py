@@ -14,6 +14,8 @@ EPILOG = """[bold]Examples[/]
   rl train --engine megatron trainer.nprocs=2 engine.tensor_model_parallel_size=2
   rl train task=add optim.lr=5e-3
   rl train model.path=/models/Qwen2.5-0.5B task=dataset task.path=prompts.jsonl task.reward_fn=mypkg.rewards:exact_match
+  rl train task=dataset task.path=trl.jsonl task.reward_fn=./rewards.py:format_reward_func   [dim]# TRL's fn(completions, **kwargs)[/]
+  rl train task=dataset task.path=verl.parquet task.reward_fn=./scorer.py:compute_score   [dim]# verl's compute_score[/]
   rl train --dry-run engine.pad_to_length=true    [dim]# validate and print the plan, run nothing[/]
   rl train --config runs/a/config.yaml            [dim]# a run's own config.yaml: the same run again[/]
   rl train --config exp.yaml optim.lr=1e-3 checkpoint.dir=runs/b   [dim]# a file, then overrides (they win)[/]
