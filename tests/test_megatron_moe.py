@@ -361,3 +361,17 @@ def test_moe_aux_loss_coef_adds_what_hugging_face_router_aux_loss_coef_adds(tmp_
     assert r["hf_added"] > 0
     assert abs(r["megatron_added"] - r["hf_added"]) < 1e-6 * max(1.0, r["hf_added"]), r
     assert r["default_type"] == 0.0
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["trainer.nprocs=2", "engine.expert_model_parallel_size=4"], "must divide the data-parallel ranks"),
+    (["trainer.nprocs=2", "engine.expert_model_parallel_size=2"], "has no experts"),   # the tiny dense model
+])
+def test_expert_parallel_layouts_refused_at_the_command_line(overrides, needle, tmp_path):
+    """An EP size the ranks cannot hold, or EP on a dense model: exit 2, the fix named, no traceback."""
+    from tests.cli_utils import cli, flat
+
+    res = cli("train", "--dry-run", "--engine", "megatron", *overrides, f"checkpoint.dir={tmp_path / 'run'}")
+    out = flat(res.stdout + (res.stderr or ""))
+    assert res.exit_code == 2, out
+    assert needle in out and "Traceback" not in out
