@@ -39,6 +39,7 @@ from dataclasses import asdict
 import torch
 
 from engine.memory.fp8_workspaces import fp8_workspace_bytes, iter_modules, storage_bytes, storage_key, tensors_in
+from engine.memory.oom import oom_guard
 from engine.memory.report import CATEGORIES, PHASES, PhaseRecord
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -234,7 +235,8 @@ class MemoryTracker:
                          "offload": None, "t0": time.perf_counter()}
         self.sample_state()
         try:
-            yield self
+            with oom_guard(name, self.rank, self.step, self.device):  # an OOM here: the answer (engine/memory/oom.py)
+                yield self
         finally:
             try:
                 self.sample_state()

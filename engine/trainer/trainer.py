@@ -11,6 +11,7 @@ ranks start (engine/trainer/worker_group.py).
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from engine.config.resolved import mini_batch_prompts, updates_per_step
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
+from engine.memory.oom import OutOfMemory, answer, oom_guard
 from engine.metric_sums import add_metrics, mean_over_updates
 from engine.rewards.compute import RewardError, samples_of
 from engine.tracking.eta import StepClock
@@ -71,6 +73,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
     from engine.trainer.worker_group import WorkerGroup
 
     failed = True
+    workers = None
     try:
         if resume is None:
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
@@ -114,7 +117,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                 on_event(clock.start())
                 for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                     workers.take_bytes()
-                    rec = rl_step(cfg, inputs, workers, stream, step)
+                    with oom_guard("step", None, step):  # the driver's own allocations (engine/memory/oom.py)
+                        rec = rl_step(cfg, inputs, workers, stream, step)
                     rec.driver_bytes = workers.take_bytes()
                     last = step == cfg.trainer.total_steps
                     if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
@@ -157,6 +161,11 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                 inputs.rewards.close()
                 workers.shutdown()
         failed = False
+    except OutOfMemory as e:  # any phase, any rank or the driver: one paragraph with the estimate's top fix
+        if e.phase == "save_checkpoint" and e.step is not None:  # the unfinished save is never a checkpoint
+            shutil.rmtree(rdir.path / f"{TMP_PREFIX}{e.step}", ignore_errors=True)
+        where = workers._where(e.rank) if e.rank is not None and workers is not None else ""
+        raise answer(e, cfg, rdir.path, where) from None
     finally:
         if tracking is not None:
             tracking.close(failed=failed)
@@ -328,7 +337,8 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     t = time.perf_counter()
     responses, ids = decode_responses(inputs.tokenizer, batch), response_token_ids(batch)
     state = reward_state(cfg, stream.n, stream.pos.samples_seen, completed_steps=step - 1)
-    scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
+    with oom_guard("reward", None, step):
+        scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
     scores.append(scored)
     rewards = torch.tensor(scored.total, dtype=torch.float32)
     correct = scored.correct

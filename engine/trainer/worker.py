@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.config.resolved import ResolvedRun
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
+from engine.memory.oom import oom_guard
 from engine.host_heap import keep_host_heap
 from engine.threads import adapt_threads, configure_torch_threads, omp_wait_now, restore_rank_priority
 
@@ -115,6 +116,15 @@ class RankWorker:
         store = make_store(store_host, store_port, self.rank, self.world_size, self._store_fd,
                            self.cfg.trainer.ray_timeout_s)
         dist.init_process_group(dist_backend(self.device), store=store, rank=self.rank, world_size=self.world_size)
+        with oom_guard("load_model", self.rank, 0, self.device):
+            self._build()
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "device": str(self.device), "params": self.engine.param_count(),
+                "pid": os.getpid()}
+
+    def _build(self) -> None:
+        import torch
+
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
@@ -133,9 +143,6 @@ class RankWorker:
         self._weights_stale = False  # the rollout engine holds older weights than the trainer
         self._sync_probe = None      # fixed sequences for rollout.verify_sync (first rollout's rows)
         self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
-        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "device": str(self.device), "params": self.engine.param_count(),
-                "pid": os.getpid()}
 
     def _make_sampler(self):
         if self.cfg.rollout.name == "vllm":
@@ -255,8 +262,9 @@ class RankWorker:
     def save(self, run_dir: str, step: int) -> dict:
         from engine.checkpoint.save import rng_state, save_rank_state
 
-        files = save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank,
-                                rng_state(self.generator))
+        with oom_guard("save_checkpoint", self.rank, step, self.device):
+            files = save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank,
+                                    rng_state(self.generator))
         return {"lr_scheduler": self.engine.lr_scheduler.state_dict(), "files": files}
 
     def checkpoint_facts(self) -> dict:
@@ -270,7 +278,8 @@ class RankWorker:
     def load(self, step_dir: str, plan: dict) -> dict:
         from engine.checkpoint.restore import load_rank_state
 
-        out = load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
+        with oom_guard("load_checkpoint", self.rank, plan.get("step"), self.device):
+            out = load_rank_state(Path(step_dir), self.engine, self.rank, self.generator, plan)
         self._weights_stale = not self.sampler.reads_live_model
         return out
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.config.resolved import resolve_run
 from engine.config.schema import RunConfig
 from engine.errors import UserError
+from engine.memory.oom import oom_test_env
 from engine.threads import omp_spin_count, rank_env, usable_cpus
 from engine.trainer.ray_cluster import get, timeout_error
 from engine.trainer.worker import RankWorker
@@ -92,6 +93,7 @@ class WorkerGroup:
         # the ranks it hosts, else passive
         local_ranks = t.ranks_per_node or (-(-n // t.nnodes) if t.nnodes else n)
         env = rank_env(threads, omp_spin_count(t.omp_wait, threads * local_ranks))
+        env.update(oom_test_env())  # the test-only OOM hooks reach every rank (engine/memory/oom.py)
         self.actors = [
             actor.options(runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=self.plan.bundle_of_rank[r])
