@@ -1,6 +1,7 @@
 """What a crash leaves in a run directory, and what `rl resume` makes of it.
 
-A row file cut mid-line (what a crash during its append leaves) loses no row: each checkpoint carries the lines every row file gained since the previous checkpoint
+A row file cut mid-line (what a crash during its append leaves) loses no row: each checkpoint
+carries the lines every row file gained since the previous checkpoint
 (engine/checkpoint/carried_rows.py). These tests cut the last line of each row file of a real
 run at every byte offset and check the repair restores exactly the rows of the uninterrupted
 run, once each; then a real `rl resume` after a torn metrics row (the case that lost step 12's
