@@ -202,3 +202,21 @@ def test_resume_removes_leftovers_and_says_so_inspect_lists_them(straight, tmp_p
     assert "removed 3 leftover(s) of interrupted saves or prunes" in out and all(n in out for n in names), out[-3000:]
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
     assert [row_step(ln) for ln in lines(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_without_rows_json_resumes_as_before_and_a_damaged_one_is_refused(tmp_path):
+    """A checkpoint written before rows.json existed: torn rows and rows after its step dropped,
+    nothing invented. A rows.json that is not rl's record is a corrupt checkpoint, not a guess."""
+    from engine.checkpoint.carried_rows import read_carried
+    from engine.errors import CheckpointError
+
+    step_dir = tmp_path / "step_2"
+    step_dir.mkdir()
+    rows = [json.dumps({"step": s, "x": s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[2][:7])
+    assert repair_row_files(tmp_path, step_dir, 2) == {}
+    assert lines(tmp_path / "metrics.jsonl") == rows[:2]
+    for bad in ("[1, 2]", '{"after_step": 1, "files": {"metrics.jsonl": [1]}}', '{"files": {}}'):
+        (step_dir / ROWS_FILE).write_text(bad)
+        with pytest.raises(CheckpointError, match="not a rows record"):
+            read_carried(step_dir)

@@ -81,7 +81,7 @@ def read_carried(step_dir: Path) -> dict | None:
         return None
     data = read_json(path, what=f"{Path(step_dir).name}/{ROWS_FILE}")
     files = data.get("files") if isinstance(data, dict) else None
-    if not (isinstance(data.get("after_step"), int) and isinstance(files, dict)
+    if not (isinstance(files, dict) and isinstance(data.get("after_step"), int)
             and all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in files.values())):
         raise CheckpointError(f"{path} is not a rows record of rl (after_step, files); the checkpoint is damaged. "
                               f"Resume an earlier checkpoint.", title="corrupt checkpoint")
