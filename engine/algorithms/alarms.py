@@ -50,6 +50,7 @@ class AlarmMonitor:
         c = self.cfg
         step = int(row["step"])
         self.rewards.append(float(row["reward_mean"]))
+        del self.rewards[:-c.window]  # only the window is read: a long run's list no longer grows
         recent = sum(self.rewards[-c.window:]) / len(self.rewards[-c.window:])
         self.best_recent = recent if self.best_recent is None else max(self.best_recent, recent)
         firing: dict[str, str] = {}

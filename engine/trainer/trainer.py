@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import deque
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -104,7 +105,9 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                         monitor.observe(row)
                 alarms: list[dict] = []
                 stopped_by = None
-                records: list[StepRecord] = []
+                # what the summary needs of the steps, not the steps: a StepRecord (memory records,
+                # shapes, timings) kept per step grew the driver ~11 KB a step (bench/soak.py)
+                steps_run, rewards_first10, rewards_last10 = 0, [], deque(maxlen=10)
                 val_before = val_after = None
                 if cfg.trainer.val_freq and start_step == 0:
                     v = _validate_phase(cfg, inputs, workers, start_step, emit)
@@ -148,7 +151,10 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                                    poll=lambda: tree_bytes(tmp if tmp.exists() else final)):
                             rdir.save(cfg, workers, step, stream)
                         checkpoints.append(rec.checkpoint)
-                    records.append(rec)
+                    steps_run += 1
+                    if len(rewards_first10) < 10:
+                        rewards_first10.append(rec.reward_mean)
+                    rewards_last10.append(rec.reward_mean)
                     if stopped_by is not None:
                         break
                     skipped = rec.algo.get("nonfinite_updates", 0)
@@ -169,10 +175,9 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
     finally:
         if tracking is not None:
             tracking.close(failed=failed)
-    rewards = [r.reward_mean for r in records]
     summary = RunSummary(
-        steps_run=len(records), first_step=start_step + 1, last_step=start_step + len(records),
-        reward_first10=_mean(rewards[:10]), reward_last10=_mean(rewards[-10:]),
+        steps_run=steps_run, first_step=start_step + 1, last_step=start_step + steps_run,
+        reward_first10=_mean(rewards_first10), reward_last10=_mean(list(rewards_last10)),
         wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
         checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats(),
         alarms=alarms, stopped_by_alarm=stopped_by,
