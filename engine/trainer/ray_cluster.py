@@ -159,8 +159,13 @@ def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
                 # start-up CPU (~0.8 CPU-s a run on the 2-core machine)
                 # worker_niceness 0: ranks at the driver's own priority, not Ray's default 15, under
                 # which any ordinary process on a busy machine takes the CPU first (engine/threads.py)
+                # task_events_max_num_task_in_gcs: the GCS keeps a record of every task for Ray's
+                # state API (`ray list tasks`), up to 100,000 by default: a run's GCS grew ~16 MiB per
+                # 1,000 steps until then (bench/soak.py); rl reads none of them, and the last 1,000
+                # tasks are still there for debugging
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
-                         _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0}, **kwargs)
+                         _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0,
+                                         "task_events_max_num_task_in_gcs": 1000}, **kwargs)
             finally:
                 if saved is not None:
                     os.environ["RAY_ADDRESS"] = saved
