@@ -259,7 +259,8 @@ def test_the_undamaged_checkpoint_verifies(trained):
     r = cli("inspect-ckpt", str(trained / STEP), "--verify", "--json")
     assert r.exit_code == 0, r.output
     v = json.loads(r.stdout)["verification"]
-    assert v["content"] and not v["legacy"] and not v["problems"] and v["files"] == 4
+    # the DCP metadata and shard, rng/rank_0.pt, trainer.json, rows.json
+    assert v["content"] and not v["legacy"] and not v["problems"] and v["files"] == 5
     r = cli("resume", str(trained), "trainer.total_steps=3", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["verification"]["content"] is True
