@@ -136,9 +136,9 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                               title="prompt too long")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id}
     check_model_fits_run(cfg, model_path, vocab)
-    from engine.rewards.compute import make_runner
-
     from engine.reward_model.actor import ActorRewardModel
     from engine.reward_model.build import scorers_for
+    from engine.rewards.compute import make_runner
+
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok, make_actor=ActorRewardModel))
     return RunInputs(task, tok, train, val, model_path, vocab, runner)
