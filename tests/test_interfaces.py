@@ -128,7 +128,7 @@ def test_every_engine_choice_is_registered_once_and_the_update_loop_is_not_overr
     for name in BACKENDS:
         eng, critic = engine_class(name), critic_class(name)
         assert issubclass(eng, TrainEngine) and issubclass(critic, Critic)
-        for loop in ("compute_log_probs", "accumulate_and_step", "_skip_idle_rows"):
+        for loop in ("compute_log_probs", "accumulate_and_step", "_skip_idle_rows", "routing_report"):
             assert loop not in vars(eng), f"{eng.__name__} overrides the shared {loop}"
         for loop in ("train_step", "compute_values"):
             assert loop not in vars(critic), f"{critic.__name__} overrides the shared {loop}"

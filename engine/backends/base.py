@@ -261,12 +261,49 @@ class TrainEngine(ABC):
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights under Hugging Face names (for vLLM sync and export)."""
 
+    router_replay = None  # engine/moe/router_replay.py (FSDP) or megatron/routing_replay.py, set by build()
+
+    @torch.no_grad()
     def routing_report(self, batch: SequenceBatch) -> dict:
         """Partial sums of the MoE routing metrics (engine/moe/routing_metrics.py) on this rank's
-        rows; an engine without routing replay (config refuses it there) reports none."""
-        from engine.moe.routing_metrics import RoutingSums
+        rows: the policy's forward with its own routing (captured, compared to the rollout's
+        records) and replaying the records; log-probs of both against the rollout's. None without
+        routing replay."""
+        from engine.moe.routing_metrics import RoutingSums, add_routing, gap_sums
 
-        return RoutingSums().to_dict()
+        sums = RoutingSums()
+        rr = self.router_replay
+        if rr is None or batch.routed_experts is None:
+            return sums.to_dict()
+        self.model.eval()
+        self._begin_pass(self.model)
+        for mb in self._micro_batches(batch, observe=False):
+            b = mb.batch
+            real, k = mb.indices >= 0, mb.num_rows
+            with rr.recording():
+                lp_own, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
+                own = self._routing_taken(rr, b)  # [B, T, layers, top-k]
+            with rr.replaying(b.routed_experts, device=self.device):
+                lp_rep, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
+            L, kk = own.shape[-2:]
+            add_routing(sums, own[:k][real].reshape(-1, L, kk), b.routed_experts[:k][real].reshape(-1, L, kk))
+            mask, ro = b.response_mask[:k][real], b.rollout_log_probs[:k][real]
+            n, a, k3 = gap_sums(lp_own[:k][real].float().cpu(), ro, mask)
+            _, a2, k32 = gap_sums(lp_rep[:k][real].float().cpu(), ro, mask)
+            sums.response_tokens += n
+            sums.abs_gap_no_replay += a
+            sums.k3_no_replay += k3
+            sums.abs_gap_replay += a2
+            sums.k3_replay += k32
+        return (sums if self._reports_routing() else RoutingSums()).to_dict()
+
+    def _routing_taken(self, rr, batch: SequenceBatch) -> torch.Tensor:
+        """The experts the recording forward chose, [B, T, layers, top-k]."""
+        raise NotImplementedError(f"{type(self).__name__} records no routing")
+
+    def _reports_routing(self) -> bool:
+        """Whether this rank's routing sums count (megatron: one TP rank per data-parallel group)."""
+        return True
 
     # ---- memory -------------------------------------------------------------------------
     @abstractmethod

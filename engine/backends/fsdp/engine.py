@@ -218,41 +218,8 @@ class FSDPEngine(TrainEngine):
             local = [x for part in gathered for x in part]
         self.bucket_policy.observe([n for n, _ in local], [w for _, w in local])
 
-    @torch.no_grad()
-    def routing_report(self, batch: SequenceBatch) -> dict:
-        """Partial sums of the routing metrics (engine/moe/routing_metrics.py) on this rank's
-        rows: the policy's forward once with its own routing (captured and compared to the
-        rollout's records) and once replaying the records; log-probs of both against the
-        rollout's."""
-        from engine.moe.routing_metrics import RoutingSums, add_routing, gap_sums
-
-        sums = RoutingSums()
-        if self.router_replay is None or batch.routed_experts is None:
-            return sums.to_dict()
-        self.model.eval()
-        rr = self.router_replay
-        for mb in self._micro_batches(batch, observe=False):
-            b = mb.batch
-            ids = b.input_ids.to(self.device)
-            real = mb.indices >= 0
-            k = mb.num_rows
-            with rr.recording():
-                lp_own, _ = token_log_probs(self._forward_logits(self.model, b), ids, self.cfg.rollout.temperature)
-                own = rr.take()
-            with rr.replaying(b.routed_experts, device=self.device):
-                lp_rep, _ = token_log_probs(self._forward_logits(self.model, b), ids, self.cfg.rollout.temperature)
-            L, kk = rr.layout.layers, rr.layout.top_k
-            own = own.reshape(b.input_ids.shape + (L, kk))[:k][real]
-            add_routing(sums, own.reshape(-1, L, kk), b.routed_experts[:k][real].reshape(-1, L, kk))
-            mask, ro = b.response_mask[:k][real], b.rollout_log_probs[:k][real]
-            n, a, k3 = gap_sums(lp_own[:k][real].float().cpu(), ro, mask)
-            _, a2, k32 = gap_sums(lp_rep[:k][real].float().cpu(), ro, mask)
-            sums.response_tokens += n
-            sums.abs_gap_no_replay += a
-            sums.k3_no_replay += k3
-            sums.abs_gap_replay += a2
-            sums.k3_replay += k32
-        return sums.to_dict()
+    def _routing_taken(self, rr, batch: SequenceBatch) -> torch.Tensor:
+        return rr.take().reshape(batch.input_ids.shape + (rr.layout.layers, rr.layout.top_k))
 
     # ---- the update loop's hooks (engine/backends/base.py) -------------------------------
     def _token_log_probs(self, logits, input_ids, with_entropy: bool):

@@ -325,40 +325,11 @@ class MegatronEngine(TrainEngine):
             return nullcontext()
         return self.router_replay.replaying(batch.routed_experts, device=self.device)
 
-    @torch.no_grad()
-    def routing_report(self, batch: SequenceBatch) -> dict:
-        """Partial sums of the routing metrics (engine/moe/routing_metrics.py) on this rank's rows:
-        the policy's forward with its own routing (captured, compared to the rollout's records) and
-        replaying the records; log-probs of both against the rollout's."""
-        from engine.moe.routing_metrics import RoutingSums, add_routing, gap_sums
+    def _routing_taken(self, rr, batch: SequenceBatch) -> torch.Tensor:
+        return rr.take(*batch.input_ids.shape)
 
-        sums = RoutingSums()
-        if self.router_replay is None or batch.routed_experts is None:
-            return sums.to_dict()
-        self.model.eval()
-        self._begin_pass(self.model)
-        rr = self.router_replay
-        for mb in self._micro_batches(batch, observe=False):
-            b = mb.batch
-            real, k = mb.indices >= 0, mb.num_rows
-            with rr.recording():
-                lp_own, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
-                own = rr.take(*b.input_ids.shape)
-            with rr.replaying(b.routed_experts, device=self.device):
-                lp_rep, _ = self._token_log_probs(self._forward_logits(self.model, b), b.input_ids, False)
-            L, kk = rr.layers, rr.top_k
-            add_routing(sums, own[:k][real].reshape(-1, L, kk), b.routed_experts[:k][real].reshape(-1, L, kk))
-            mask, ro = b.response_mask[:k][real], b.rollout_log_probs[:k][real]
-            n, a, k3 = gap_sums(lp_own[:k][real].float().cpu(), ro, mask)
-            _, a2, k32 = gap_sums(lp_rep[:k][real].float().cpu(), ro, mask)
-            sums.response_tokens += n
-            sums.abs_gap_no_replay += a
-            sums.k3_no_replay += k3
-            sums.abs_gap_replay += a2
-            sums.k3_replay += k32
-        if self.tp_rank:  # the TP ranks of a DP group saw the same rows: one reports them
-            sums = RoutingSums()
-        return sums.to_dict()
+    def _reports_routing(self) -> bool:
+        return self.tp_rank == 0  # the TP ranks of a DP group saw the same rows: one reports them
 
     def _begin_accumulation(self, model) -> None:
         model.zero_grad_buffer()
