@@ -501,7 +501,7 @@ def test_estimate_7b_and_70b_builtin_configs_offline():
     cfg.engine = MegatronEngineConfig(tensor_model_parallel_size=8)
     cfg.trainer.nprocs = 16
     m70 = estimate_memory(cfg, model="llama-70b", device_memory_bytes=parse_bytes("141GB"))
-    assert m70.layout == {"nprocs": 16, "dp": 2, "tp": 8, "pp": 1, "cp": 1}
+    assert m70.layout == {"nprocs": 16, "dp": 2, "tp": 8, "pp": 1, "cp": 1, "ep": 1}
     assert abs(m70.per_rank["params"] / (e70.model_bytes / 8) - 1) < 0.01
     assert m70.per_rank["grads"] == m70.per_rank["params"] * 2                          # fp32 main grads
     json.loads(json.dumps(m70.to_json(), allow_nan=False))
