@@ -16,7 +16,8 @@ decode steps on a preallocated KV cache (engine/rollout/static_decode.py), decod
 thread each, ``rollout.decode_lanes`` auto), each distinct prompt computed once in the update);
 ``onelane`` -- fast, but one decode lane on all threads (``rollout.decode_lanes=1``, before lanes).
 ``aten`` -- fast, but every linear layer by torch's own GEMM (``engine.cpu_matmul=aten``: MKL on
-x86), as before oneDNN (the ``fast`` default multiplies through oneDNN, engine/model/onednn_linear.py);
+x86); ``onednn`` -- fast, but every linear layer through oneDNN (``engine.cpu_matmul=onednn``,
+engine/model/onednn_linear.py; ``fast`` takes it on AMD CPUs, MKL on Intel ones);
 ``fused`` -- fast, plus the update's fused RMSNorm/SiLU-gate kernels (``engine.fused_kernels``;
 compiled in the warm-up step, which is not timed).
 Update FLOP/s count 6 x matmul params x real tokens (prompt + response): the work of the plain
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="fixed-length responses (rollout.ignore_eos)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["plain", "fast"],
-                    choices=["plain", "dynamic", "onelane", "aten", "fast", "fused"],
+                    choices=["plain", "dynamic", "onelane", "aten", "onednn", "fast", "fused"],
                     help="aten = fast with engine.cpu_matmul=aten (MKL); dynamic = fast but decoding through the model's own forward (no static KV cache); "
                          "onelane = fast with one decode lane; fused = fast with engine.fused_kernels (its "
                          "compile is paid in the warm-up step)")
@@ -108,7 +109,8 @@ def main() -> None:
     runs = {}
     for mode in args.modes:
         engine_cfg = dataclasses.replace(cfg.engine, fused_kernels=mode == "fused",
-                                         cpu_matmul="aten" if mode in ("plain", "aten") else cfg.engine.cpu_matmul,
+                                         cpu_matmul="aten" if mode in ("plain", "aten") else
+                                         "onednn" if mode == "onednn" else cfg.engine.cpu_matmul,
                                          fsdp_unit="layer" if mode == "plain" else cfg.engine.fsdp_unit)
         mode_cfg = dataclasses.replace(cfg, engine=engine_cfg)
         eng = FSDPEngine(mode_cfg, "", args.vocab, PAD, EOS, torch.device("cpu"), 1)
@@ -116,7 +118,7 @@ def main() -> None:
         eng.share_prompts = mode != "plain"
         rollout_cfg = dataclasses.replace(cfg.rollout, decode_lanes=1) if mode == "onelane" else cfg.rollout
         runs[mode] = {"eng": eng, "sampler": TorchSampler(rollout_cfg, PAD, EOS, eng.device, fast=mode != "plain",
-                                                          static_cache=mode in ("fast", "onelane", "aten", "fused")),
+                                                          static_cache=mode in ("fast", "onelane", "aten", "onednn", "fused")),
                       "gen": torch.Generator().manual_seed(0), "roll": [], "upd": [], "roll_tok": [], "upd_tok": []}
     g = torch.Generator().manual_seed(0)
     lo, hi = args.prompt_len
@@ -177,7 +179,7 @@ def main() -> None:
         res[mode] = (roll_tps, upd_tps)
         print(f"{mode:7s} {roll:9.3f} {roll_tps:13,.0f} {upd:9.3f} {upd_tps:12,.0f} {flops / 1e9:14.2f} "
               f"{100 * flops / peak:9.1f}%")
-    for base, new in (("plain", "fast"), ("dynamic", "fast"), ("onelane", "fast"), ("aten", "fast"), ("fast", "fused")):
+    for base, new in (("plain", "fast"), ("dynamic", "fast"), ("onelane", "fast"), ("aten", "fast"), ("aten", "onednn"), ("fast", "fused")):
         if base in res and new in res:
             (pr, pu), (fr, fu) = res[base], res[new]
             print(f"{new} / {base}: rollout {fr / pr:.2f}x, update {fu / pu:.2f}x")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,19 +85,38 @@ def test_results_are_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(r[:3], runs[0][:3]))
 
 
-def test_resolve_picks_onednn_on_an_x86_cpu_only(monkeypatch):
+def test_resolve_picks_onednn_on_amd_x86_cpus_only(monkeypatch):
+    """auto = oneDNN where MKL runs its AVX2 code although the CPU has AVX-512 (AMD, Hygon);
+    torch's own GEMM on Intel (MKL's AVX-512 code measured faster there), other CPUs, unknown
+    vendors and any non-CPU device; an explicit choice is honoured everywhere."""
     import platform
 
+    from engine.model import onednn_linear
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
     cpu = torch.device("cpu")
-    if platform.machine().lower() not in ("x86_64", "amd64", "x64"):
-        pytest.skip("auto picks oneDNN on x86 CPUs")
-    assert resolve("auto", cpu) == "onednn" and resolve("onednn", cpu) == "onednn"
-    assert resolve("aten", cpu) == "aten"
-    assert resolve("auto", torch.device("meta")) == "aten"   # any non-CPU device keeps its kernels
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for vendor, auto in [("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn"), ("GenuineIntel", "aten"), ("", "aten")]:
+        monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda v=vendor: v)
+        assert resolve("auto", cpu) == auto, vendor
+        assert resolve("onednn", cpu) == "onednn" and resolve("aten", cpu) == "aten"
+        assert resolve("auto", torch.device("meta")) == "aten"   # any non-CPU device keeps its kernels
     with pytest.raises(ValueError, match="cpu_matmul"):
         resolve("mkl", cpu)
+    monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")   # other CPUs keep torch's BLAS by default
     assert resolve("auto", cpu) == "aten" and resolve("onednn", cpu) == "onednn"
+
+
+def test_this_machines_vendor_is_read():
+    import platform
+
+    from engine.model.onednn_linear import cpu_vendor
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("an x86 Linux fact")
+    assert cpu_vendor() and cpu_vendor().isalnum(), cpu_vendor()   # e.g. GenuineIntel, AuthenticAMD
 
 
 def _tiny_llama():
@@ -173,15 +194,15 @@ def _grpo_step(rank, world, cpu_matmul: str):
 
 
 def test_the_engine_trains_through_onednn_like_aten():
-    """On a CPU the default (auto) swaps every linear of the policy, the update really runs
-    oneDNN's op, and one GRPO step (rollout, update, recompute) gives what torch's own GEMM
+    """``engine.cpu_matmul=onednn`` (auto's choice on AMD CPUs) swaps every linear of the policy,
+    the update really runs oneDNN's op, and one GRPO step (rollout, update, recompute) gives what torch's own GEMM
     gives: the same sampled tokens, log-probs within 1e-5, and weights after the AdamW step
     within 1e-5 of aten's (the step itself moves them by ~lr = 5e-3). ``aten`` runs no oneDNN op."""
     from tests.dist_utils import run_ranks
 
-    if resolve("auto", torch.device("cpu")) != "onednn":
-        pytest.skip("auto keeps torch's BLAS on this CPU")
-    fast, = run_ranks(_grpo_step, 1, "auto")
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    fast, = run_ranks(_grpo_step, 1, "onednn")
     slow, = run_ranks(_grpo_step, 1, "aten")
     assert fast["swapped"] == 2 * 7 + 1 and slow["swapped"] == 0
     assert "mkldnn::_linear_pointwise" in fast["ops"] and "mkldnn::_linear_pointwise" not in slow["ops"]

@@ -297,7 +297,8 @@ class FSDPEngineConfig(EngineConfig):
                         choices=["auto", "layer", "model", "none"])
     cpu_matmul: str = _f("auto", "on a CPU: the GEMM library of every linear layer, in the update and the rollout: "
                                  "onednn (picks kernels by the CPU's instructions: 2x MKL's rate on AMD CPUs with "
-                                 "AVX-512), aten (torch's default: MKL on x86); auto = onednn on an x86 CPU where this torch has it. "
+                                 "AVX-512), aten (torch's default: MKL on x86); auto = onednn on AMD x86 CPUs where this torch has it, aten "
+                                 "on Intel ones (MKL's AVX-512 code is faster there) and elsewhere. "
                                  "The same fp32 products, summed in another order",
                          choices=["auto", "onednn", "aten"])
 

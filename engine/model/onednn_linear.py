@@ -45,16 +45,36 @@ def onednn_available() -> bool:
         return False
 
 
+def cpu_vendor() -> str:
+    """The x86 CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from /proc/cpuinfo;
+    '' where it cannot be read (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# x86 vendors whose CPUs MKL serves its generic AVX2 code even when they have AVX-512
+_MKL_HANDICAPPED = ("AuthenticAMD", "HygonGenuine")
+
+
 def resolve(choice: str, device: torch.device) -> str:
     """``engine.cpu_matmul`` for this process: ``onednn`` or ``aten``. ``auto`` is oneDNN on an
-    x86 CPU device whenever the build has it (2x MKL's rate on AMD CPUs with AVX-512; on Intel
-    CPUs MKL already runs its AVX-512 code, and the two were not compared there); accelerators
-    and other CPUs keep torch's own kernels."""
+    AMD (or Hygon) x86 CPU whenever the build has it: MKL dispatches by vendor and runs its AVX2
+    code there (oneDNN: 2x MKL's matmul rate on a Zen 5, 1.2-1.3x the update). On Intel CPUs MKL
+    runs its AVX-512 code and oneDNN measured slower (a Xeon with AVX-512: rollout 0.86x, update
+    0.89x at fixed shapes) and, with ragged batches, every new shape adds primitives to oneDNN's
+    cache (the default job's rank held +360 MiB of host memory), so ``auto`` keeps torch's own
+    GEMM there, as on accelerators, other CPUs and unknown vendors (docs/benchmarks.md)."""
     if choice not in CHOICES:
         raise ValueError(f"engine.cpu_matmul must be one of {', '.join(CHOICES)}, not {choice!r}")
     if device.type != "cpu" or choice == "aten":
         return "aten"
-    if choice == "auto" and platform.machine().lower() not in _X86:
+    if choice == "auto" and (platform.machine().lower() not in _X86 or cpu_vendor() not in _MKL_HANDICAPPED):
         return "aten"
     if not onednn_available():
         if choice == "onednn":
