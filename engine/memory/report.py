@@ -66,7 +66,7 @@ _RECORD_TYPES = {"phase": (("str",), "a string"), "device": (("str",), "a string
                  "notes": (("list",), "a list"),
                  **{k: (("int", "float", "None"), "a number or null") for k in (
                      "allocated", "reserved", "peak_allocated", "peak_reserved", "device_used", "device_total",
-                     "non_torch", "rss", "peak_rss")}}
+                     "non_torch", "rss", "peak_rss", "heap_in_use", "heap_held")}}
 
 
 def _is_a(v, want: tuple) -> bool:
@@ -96,7 +96,9 @@ class PhaseRecord(_JSON):
 
     ``categories``: bytes of live tensors by category (peak within the phase).
     CUDA fields are None on CPU; ``rss``/``peak_rss`` are the process's resident memory at
-    the end and its peak during the phase (recorded on every device).
+    the end and its peak during the phase (recorded on every device); ``heap_in_use`` /
+    ``heap_held`` split host malloc's share of it at the end into memory still referenced and
+    memory freed but kept (glibc only; a leak grows the first, a high-water mark the second).
     """
 
     phase: str
@@ -114,6 +116,8 @@ class PhaseRecord(_JSON):
     non_torch: Optional[int] = None        # device_used - reserved: NCCL, vLLM, CUDA context...
     rss: Optional[int] = None
     peak_rss: Optional[int] = None
+    heap_in_use: Optional[int] = None       # host malloc (glibc): bytes the process still references
+    heap_held: Optional[int] = None         # ... and bytes it freed that malloc keeps (not a leak)
     host_offload: dict = field(default_factory=dict)   # kind -> {"buffers", "offloaded"} bytes
     offload: Optional[dict] = None          # OffloadReport fields, for offload/onload phases
     notes: list = field(default_factory=list)
@@ -276,7 +280,7 @@ def peak_per_phase(records: list[PhaseRecord]) -> list[PhaseRecord]:
             out[key] = PhaseRecord.from_json(r.to_json())
             continue
         for name in ("allocated", "reserved", "peak_allocated", "peak_reserved", "device_used",
-                     "non_torch", "rss", "peak_rss", "device_total"):
+                     "non_torch", "rss", "peak_rss", "device_total", "heap_in_use", "heap_held"):
             setattr(cur, name, _max_opt(getattr(cur, name), getattr(r, name)))
         cur.seconds = max(cur.seconds, r.seconds)
         for c, v in r.categories.items():

@@ -38,6 +38,7 @@ from dataclasses import asdict
 
 import torch
 
+from engine.host_heap import heap_usage
 from engine.memory.fp8_workspaces import fp8_workspace_bytes, iter_modules, storage_bytes, storage_key, tensors_in
 from engine.memory.oom import oom_guard
 from engine.memory.report import CATEGORIES, PHASES, PhaseRecord
@@ -262,6 +263,9 @@ class MemoryTracker:
             rec.non_torch = max(0, rec.device_used - rec.reserved)
         rec.peak_rss = int(rss.stop())
         rec.rss = process_rss()
+        heap = heap_usage()
+        if heap is not None:
+            rec.heap_in_use, rec.heap_held = heap
         if rss.method == "sampled":
             rec.notes.append(f"peak RSS sampled every {self._rss_interval_s * 1000:.0f} ms")
         rec.host_offload = host_memory_held()
