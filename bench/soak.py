@@ -58,6 +58,8 @@ MiB = 1 << 20
 #        rows are ~2-5 KiB a step at the default job).
 THRESHOLDS = {
     "rss": ("abs", 16 * MiB),
+    "heap": ("abs", 16 * MiB),
+    "held": ("abs", 16 * MiB),
     "fds": ("abs", 2.0),
     "threads": ("abs", 2.0),
     "procs": ("abs", 2.0),
@@ -79,6 +81,8 @@ SERIES = [
     *(Series(f"{g}.rss", "rss", "B") for g in ("driver", "ranks", "ray")),
     *(Series(f"{g}.fds", "fds", "count") for g in ("driver", "ranks", "ray")),
     *(Series(f"{g}.threads", "threads", "count") for g in ("driver", "ranks", "ray")),
+    Series("ranks.heap_in_use", "heap", "B"),   # rank 0's malloc: still referenced (memory.jsonl)
+    Series("ranks.heap_held", "held", "B"),     # ... freed but kept by malloc (a high-water mark)
     Series("ranks.procs", "procs", "count"),
     Series("ray.procs", "procs", "count"),
     Series("run_dir.checkpoints", "checkpoints", "B"),
@@ -225,7 +229,8 @@ def run_soak(steps: int, every: int, overrides: list[str], workdir: Path, timeou
     env.pop("RAY_ADDRESS", None)  # a private local Ray: its processes are the driver's descendants
     argv = [sys.executable, "-m", "rlcli.main", "train", f"trainer.total_steps={steps}", "checkpoint.save_freq=10",
             "checkpoint.keep_last=2", f"checkpoint.dir={run_dir}", *overrides]
-    tail = RowTail(run_dir / "metrics.jsonl")
+    tail, memory = RowTail(run_dir / "metrics.jsonl"), RowTail(run_dir / "memory.jsonl")
+    heap = {"ranks.heap_in_use": 0, "ranks.heap_held": 0}  # rank 0's, at its latest phase end
     # sample half-way between multiples of ``every`` (every=50: steps 25, 75, ...; every=10: 5, 15,
     # ...): never while the checkpoint of a multiple of 10 is being written (a third step dir then)
     phase = every // 2
@@ -237,11 +242,14 @@ def run_soak(steps: int, every: int, overrides: list[str], workdir: Path, timeou
         try:
             while True:
                 done = proc.poll() is not None
+                for rec in memory.rows():
+                    if rec.get("rank") == 0 and rec.get("heap_in_use") is not None:
+                        heap = {"ranks.heap_in_use": rec["heap_in_use"], "ranks.heap_held": rec["heap_held"]}
                 for row in tail.rows():
                     step = int(row.get("step", 0))
                     step_times.append(float(row.get("step_time_s", 0.0)))
                     if step % every == phase and not done:
-                        samples.append(sample(proc.pid, run_dir, ray_tmp, step, time.monotonic() - t0))
+                        samples.append({**sample(proc.pid, run_dir, ray_tmp, step, time.monotonic() - t0), **heap})
                         if progress:
                             progress(samples[-1])
                 if done:
@@ -356,7 +364,8 @@ def main() -> None:
     args = ap.parse_args()
 
     def progress(s: dict) -> None:
-        print(f"step {s['step']:>5}  ranks rss {s['ranks.rss'] / MiB:8.1f} MiB  driver rss "
+        print(f"step {s['step']:>5}  ranks rss {s['ranks.rss'] / MiB:8.1f} MiB (heap in use "
+              f"{s['ranks.heap_in_use'] / MiB:7.1f}, held {s['ranks.heap_held'] / MiB:6.1f})  driver rss "
               f"{s['driver.rss'] / MiB:7.1f} MiB  fds {s['driver.fds'] + s['ranks.fds'] + s['ray.fds']:4d}  "
               f"run dir {s['run_dir.total'] / MiB:6.1f} MiB  ray session {s['ray_session.total'] / MiB:6.2f} MiB",
               file=sys.stderr, flush=True)

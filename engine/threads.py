@@ -176,6 +176,8 @@ def rank_env(threads: int, spin: int = 0) -> dict[str, str]:
     """Environment of a rank worker process: its intra-op thread count and passive waits after
     ``spin`` spin counts (``omp_spin_count``), or the wait settings the user chose (a joined
     cluster's workers do not inherit the driver's environment, so they are passed explicitly)."""
+    from engine.host_heap import kernel_cache_env
+
     chose = user_chose_omp_waits()
     env = {k: os.environ.get(k, v) for k, v in PASSIVE_OMP_ENV.items()}
     env.update({k: os.environ[k] for k in USER_OMP_VARS if k in os.environ})
@@ -184,6 +186,7 @@ def rank_env(threads: int, spin: int = 0) -> dict[str, str]:
     nice = _niceness()
     if nice is not None:
         env[RANK_NICENESS_ENV] = str(nice)
+    env.update(kernel_cache_env())  # oneDNN's shape-keyed caches, bounded (engine/host_heap.py)
     return {"OMP_NUM_THREADS": str(max(1, threads)), **env}
 
 

@@ -76,11 +76,16 @@ def test_rank_env_is_passive_unless_the_user_chose_a_wait_policy(monkeypatch):
     driver's environment)."""
     from engine.threads import rank_env
 
-    for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT"):
+    for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT", "LRU_CACHE_CAPACITY",
+              "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         monkeypatch.delenv(k, raising=False)
     env = rank_env(2)
     env.pop("RL_RANK_NICENESS")  # the driver's scheduling priority (below)
-    assert env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0",
+                   # oneDNN's and ideep's shape-keyed kernel caches, bounded (engine/host_heap.py)
+                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")   # the user's own bound is passed on
+    assert rank_env(2)["LRU_CACHE_CAPACITY"] == "64"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
     env = rank_env(0)
