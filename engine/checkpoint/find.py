@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint.layout import MANIFEST, STEP_RE, TMP_PREFIX, StepDir, complete_steps, list_steps
+from engine.checkpoint.layout import MANIFEST, STATE_DIR, STEP_RE, TMP_PREFIX, StepDir, complete_steps, list_steps
 from engine.errors import CheckpointError
 
 
@@ -46,7 +46,7 @@ def find_checkpoint(path: Path, command: str = "resume") -> Located:
                               f"{done_word}).{latest}", title="incomplete checkpoint")
     if STEP_RE.match(path.name):
         run_root = path.parent
-        step = StepDir(path, int(STEP_RE.match(path.name).group(1)))
+        step = StepDir.at(path)
         if not step.complete:
             raise CheckpointError(f"{shown} is incomplete: it has no {MANIFEST} (the save did not finish, or the "
                                   f"directory was copied partially).{latest_hint(run_root, command)}",
@@ -54,7 +54,7 @@ def find_checkpoint(path: Path, command: str = "resume") -> Located:
         later = [s.path.name for s in complete_steps(run_root) if s.step > step.step]
         skipped = [s.path.name for s in list_steps(run_root) if s.step > step.step and not s.complete]
         return Located(run_root, step, skipped, later)
-    if path.name == "state" and STEP_RE.match(path.parent.name):
+    if path.name == STATE_DIR and STEP_RE.match(path.parent.name):
         raise CheckpointError(f"{shown} is the DCP directory inside a checkpoint; pass the step directory "
                               f"itself: `rl {command} {path.parent}`.", title="not an rl checkpoint")
     steps = list_steps(path)

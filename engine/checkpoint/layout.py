@@ -43,17 +43,69 @@ CHECKPOINT_VERSION = 2    # manifest.json: 2 = content hashes and a manifest dig
 READABLE_CHECKPOINT_VERSIONS = (1, 2)
 
 
+def rng_file_name(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def rng_relpath(rank: int) -> str:
+    """Rank ``rank``'s RNG file relative to the step dir, as the manifest lists it."""
+    return f"{RNG_DIR}/{rng_file_name(rank)}"
+
+
 @dataclass(frozen=True)
 class StepDir:
+    """One step directory (complete ``step_N``, or a save's ``.tmp-step_N``) and every path in it:
+    the only place those paths are spelled (tests/test_checkpoint_layout.py keeps it so)."""
+
     path: Path
     step: int
 
+    @classmethod
+    def at(cls, path: "Path | str") -> "StepDir":
+        """A step dir known only by its path: the step from its name (``step_N``,
+        ``.tmp-step_N``), -1 when the name carries none (the manifest has the step)."""
+        path = Path(path)
+        step = step_from_name(path.name)
+        return cls(path, -1 if step is None else step)
+
+    @property
+    def state(self) -> Path:
+        """The torch.distributed.checkpoint directory (.metadata + *.distcp)."""
+        return self.path / STATE_DIR
+
+    @property
+    def rng(self) -> Path:
+        return self.path / RNG_DIR
+
+    def rng_file(self, rank: int) -> Path:
+        return self.rng / rng_file_name(rank)
+
+    def rng_files(self) -> list[Path]:
+        """The rank files present in rng/, by rank (other names there are not rank files)."""
+        try:
+            found = [(int(m.group(1)), p) for p in self.rng.iterdir() if (m := RNG_FILE_RE.match(p.name))]
+        except OSError:  # no rng/ (or not a directory)
+            return []
+        return [p for _rank, p in sorted(found)]
+
+    @property
+    def trainer_json(self) -> Path:
+        return self.path / TRAINER_FILE
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+    def relative(self, p: Path) -> str:
+        """``p`` inside this step dir as the manifest's files table spells it (``rng/rank_0.pt``)."""
+        return Path(p).relative_to(self.path).as_posix()
+
     @property
     def complete(self) -> bool:
-        return (self.path / MANIFEST).is_file()
+        return self.manifest_path.is_file()
 
     def manifest(self) -> dict:
-        return json_safe.loads((self.path / MANIFEST).read_text())
+        return json_safe.loads(self.manifest_path.read_text())
 
 
 def step_dir_name(step: int) -> str:

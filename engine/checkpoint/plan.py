@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.checkpoint.find import earlier_hint, find_checkpoint
-from engine.checkpoint.layout import MANIFEST
+from engine.checkpoint.layout import MANIFEST, RNG_FILE_RE, rng_relpath
 from engine.checkpoint.manifest import read_manifest, saved_entries
 from engine.checkpoint.optimizer_entries import (OptimizerEntries, classify_optimizer_entries,
                                                  expected_optimizer_keys, group_names, refuse_missing,
@@ -161,7 +161,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     verification = verify_step(step.path, manifest, content=verify)
     raise_if_corrupt(verification, f" Resume an earlier checkpoint.{earlier_hint(root, step)}")
     try:
-        trainer_state = read_json(step.path / "trainer.json", what=f"{step.path}/trainer.json")
+        trainer_state = read_json(step.trainer_json, what=str(step.trainer_json))
     except CheckpointError as e:
         raise CheckpointError(f"{e.message} Resume an earlier checkpoint.{earlier_hint(root, step)}",
                               title="corrupt checkpoint") from None
@@ -212,7 +212,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
                         f"{cfg.engine.name}. Resume with the engine that wrote it.")
 
     # model and optimizer, from the DCP metadata and the manifest
-    names, shapes = saved_entries(step.path / "state", str(step.path / "state"), read_values=True)
+    names, shapes = saved_entries(step.state, str(step.state), read_values=True)
     model_saved = {k: v for k, v in shapes.items() if k.startswith("model.")}
     params = manifest["model"].get("params") or {}
     bad = [f"{n} (manifest {list(p.get('shape', []))}, state {list(model_saved.get('model.' + n, ()))})"
@@ -243,14 +243,13 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
 
     from engine.checkpoint.io.safe_unpickle import read_torch_archive
 
-    for f in sorted((step.path / "rng").glob("rank_*.pt")):  # restricted reader: refuses garbage and code
+    for f in step.rng_files():  # restricted reader: refuses garbage and code
         read_torch_archive(f, display=str(f))
     world_now = cfg.trainer.nprocs
     rng = []
     for r in range(world_now):
-        f = step.path / "rng" / f"rank_{r}.pt"
         if r < manifest["world_size"]:  # verification guarantees it exists
-            rng.append({"rank": r, "source": f"rng/rank_{r}.pt", "note": ""})
+            rng.append({"rank": r, "source": rng_relpath(r), "note": ""})
         else:
             rng.append({"rank": r, "source": None,
                         "note": f"no saved RNG (rank did not exist at save, world size {manifest['world_size']}): "
@@ -258,8 +257,7 @@ def plan_resume(path: Path, overrides: list[str] | None = None, *, allow_partial
     if world_now != manifest["world_size"]:
         warnings.append(f"world size {manifest['world_size']} -> {world_now}: DCP reshards model and optimizer; "
                         f"per-rank sampling streams differ, so the continuation is not bit-exact.")
-        unused = sorted(p.name for p in (step.path / "rng").glob("rank_*.pt")
-                        if int(p.stem.split("_")[1]) >= world_now)
+        unused = sorted(p.name for p in step.rng_files() if int(RNG_FILE_RE.match(p.name).group(1)) >= world_now)
         if unused:
             warnings.append(f"saved RNG of ranks that no longer exist is not used: {', '.join(unused)}.")
     from engine.user_paths import refuse_special_run_files

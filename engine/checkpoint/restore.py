@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.checkpoint.layout import StepDir
+from engine.checkpoint.layout import StepDir, rng_relpath
 from engine.checkpoint.manifest import manifest_step, read_manifest, saved_entries
 from engine.checkpoint.optimizer_entries import classify_optimizer_entries, group_names, refuse_missing, split_prefix
 from engine.checkpoint.shape_diff import shape_diff
@@ -90,14 +90,15 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
 
     t0 = time.perf_counter()
     step_dir = Path(step_dir)
-    manifest = read_manifest(StepDir(step_dir, int(plan.get("step", manifest_step(step_dir)))))
+    step = StepDir(step_dir, int(plan.get("step", manifest_step(step_dir))))
+    manifest = read_manifest(step)
     from engine.checkpoint.io.files import read_json
 
-    trainer_state = read_json(step_dir / "trainer.json", what=f"{step_dir}/trainer.json")
+    trainer_state = read_json(step.trainer_json, what=str(step.trainer_json))
     if not isinstance(trainer_state, dict):
-        raise CheckpointError(f"{step_dir}/trainer.json is not a JSON object; the checkpoint is damaged.",
+        raise CheckpointError(f"{step.trainer_json} is not a JSON object; the checkpoint is damaged.",
                               title="corrupt checkpoint")
-    names, shapes = saved_entries(step_dir / "state", str(step_dir / "state"))
+    names, shapes = saved_entries(step.state, str(step.state))
 
     state = engine.checkpoint_state()   # live, DCP-shaped; a fresh optimizer gets entries for every param
     live_model = state["model"]
@@ -127,10 +128,10 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     try:
         from engine.checkpoint.safe_dcp import safe_reader
 
-        dcp.load(state, storage_reader=safe_reader(step_dir / "state"),
+        dcp.load(state, storage_reader=safe_reader(step.state),
                  planner=_backfill_planner({"optim." + k for k in entries.skip}))
     except CheckpointException as e:  # a BaseException: turn it into an error the CLI prints
-        raise CheckpointError(f"Loading {step_dir / 'state'} failed: {str(e)[:600]}", title="load failed") from None
+        raise CheckpointError(f"Loading {step.state} failed: {str(e)[:600]}", title="load failed") from None
     for k in entries.reset:
         state["optim"][k] = _initial(state["optim"][k])
     engine.load_checkpoint_state(state)
@@ -140,14 +141,14 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
         engine.lr_scheduler.load_state_dict(sched)
     buckets = _restore_buckets(engine, trainer_state.get("learned_buckets"))
 
-    rng_file = step_dir / "rng" / f"rank_{rank}.pt"
+    rng_file = step.rng_file(rank)
     rng_source = None
     if rank < manifest["world_size"] and not rng_file.is_file():
         raise CheckpointError(f"{rng_file} is missing although rank {rank} existed at save (world size "
                               f"{manifest['world_size']}); the checkpoint is damaged.", title="corrupt checkpoint")
     if rng_file.is_file():
         set_rng_state(load_rng_file(rng_file), generator)
-        rng_source = f"rng/rank_{rank}.pt"
+        rng_source = rng_relpath(rank)
     return {"rank": rank, "model_tensors": len(live_model),
             "optimizer": {"loaded": len(entries.loaded), "backfilled": backfilled},
             "lr_scheduler": {"last_epoch": (sched or {}).get("last_epoch")},

@@ -26,7 +26,7 @@ from engine.atomic_files import fsync_dir, fsync_tree, write_json_atomic
 
 if TYPE_CHECKING:
     from engine.checkpoint.manifest import RunManifest
-from engine.checkpoint.layout import CHECKPOINT_VERSION, FORMAT, MANIFEST, TMP_PREFIX, step_dir_name
+from engine.checkpoint.layout import CHECKPOINT_VERSION, FORMAT, TMP_PREFIX, StepDir, rng_relpath, step_dir_name
 
 
 def tmp_dir(run_dir: Path, step: int) -> Path:
@@ -61,7 +61,7 @@ def prepare_tmp(run_dir: Path, step: int) -> Path:
         d.unlink()  # never follow a link (or a loop) someone left under our temp name
     elif d.exists():
         shutil.rmtree(d)
-    (d / "rng").mkdir(parents=True)
+    StepDir.at(d).rng.mkdir(parents=True)
     return d
 
 
@@ -71,16 +71,15 @@ def save_rank_state(run_dir: Path, step: int, state: dict, rank: int, rng: dict)
     as written (engine/checkpoint/digest.py)."""
     import torch.distributed.checkpoint as dcp
 
-    d = tmp_dir(run_dir, step)
+    sd = StepDir(tmp_dir(run_dir, step), step)
     algorithm = default_algorithm()
-    writer = hashing_writer(d / "state", algorithm)
+    writer = hashing_writer(sd.state, algorithm)
     dcp.save(state, storage_writer=writer)
-    out = {str(Path(p).relative_to(d)): [n, h, algorithm] for p, (n, h) in writer.fs.digests.items()}
+    out = {sd.relative(p): [n, h, algorithm] for p, (n, h) in writer.fs.digests.items()}
     buf = io.BytesIO()
     torch.save(rng, buf)
     data = buf.getvalue()
-    out[f"rng/rank_{rank}.pt"] = [len(data), write_bytes_atomic(d / "rng" / f"rank_{rank}.pt", data, algorithm),
-                                  algorithm]
+    out[rng_relpath(rank)] = [len(data), write_bytes_atomic(sd.rng_file(rank), data, algorithm), algorithm]
     return out
 
 
@@ -91,16 +90,18 @@ def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest:
     ``digests``: what the ranks' ``save_rank_state`` returned, merged. A file on disk without
     one (a writer that did not report it) is hashed by reading it, so the manifest always
     covers every file."""
-    d = tmp_dir(run_dir, step)
+    sd = StepDir(tmp_dir(run_dir, step), step)
+    d = sd.path
     digests = dict(digests or {})
     algorithm = default_algorithm()
     data = json_bytes(trainer_state)
-    digests["trainer.json"] = [len(data), write_bytes_atomic(d / "trainer.json", data, algorithm), algorithm]
+    digests[sd.relative(sd.trainer_json)] = [len(data), write_bytes_atomic(sd.trainer_json, data, algorithm),
+                                             algorithm]
     fsync_tree(d)
     files, hashes = {}, {}
     for p in sorted(d.rglob("*")):
         if p.is_file() and not p.is_symlink():
-            rel = str(p.relative_to(d))
+            rel = sd.relative(p)
             size = p.stat().st_size
             got = digests.get(rel)
             if got is None or int(got[0]) != size or (got[2] if len(got) > 2 else None) != algorithm:
@@ -110,7 +111,7 @@ def finalize_checkpoint(run_dir: Path, step: int, trainer_state: dict, manifest:
     manifest = {"format": FORMAT, "version": CHECKPOINT_VERSION, "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **body, "files": files,
                 "hashes": {"algorithm": algorithm, "files": hashes}}
-    write_json_atomic(d / MANIFEST, seal_manifest(manifest))
+    write_json_atomic(sd.manifest_path, seal_manifest(manifest))
     final = run_dir / step_dir_name(step)
     if os.path.lexists(final):  # a leftover with the same name (an incomplete dir, a dangling or looping
         # symlink): move it aside, never merge, never follow

@@ -29,7 +29,8 @@ from typing import Any, Optional
 
 from engine.checkpoint.digest import ALGORITHMS, MANIFEST_DIGEST_KEY, hash_file, manifest_digest
 from engine.checkpoint.layout import DCP_DATA_PATH_RE as _DATA_FILE
-from engine.checkpoint.layout import EXPORT_DIRS, EXPORT_STAGING_RE, MANIFEST, STEP_RE
+from engine.checkpoint.layout import (EXPORT_DIRS, EXPORT_STAGING_RE, MANIFEST, STATE_DIR, STEP_RE, TRAINER_FILE,
+                                      StepDir, rng_relpath)
 from engine.checkpoint.layout import RNG_PATH_RE as _RNG_FILE
 from engine.errors import CheckpointError
 _SHOWN = 8
@@ -196,7 +197,7 @@ def consistency_problems(step_dir: Path, manifest: dict, trainer: Optional[dict]
     problems: list[str] = []
     if trainer is None:
         try:
-            trainer = read_json(step_dir / "trainer.json", what=f"{step_dir.name}/trainer.json")
+            trainer = read_json(StepDir.at(step_dir).trainer_json, what=f"{step_dir.name}/{TRAINER_FILE}")
         except CheckpointError as e:
             return [e.message]
     if not isinstance(trainer, dict):
@@ -205,7 +206,7 @@ def consistency_problems(step_dir: Path, manifest: dict, trainer: Optional[dict]
         from engine.checkpoint.io.dcp import read_dcp
 
         try:
-            c = read_dcp(step_dir / "state", display=f"{step_dir.name}/state")
+            c = read_dcp(StepDir.at(step_dir).state, display=f"{step_dir.name}/{STATE_DIR}")
         except CheckpointError as e:
             return [e.message]
         saved_names = {t.name for t in c.tensors} | {o.name for o in c.objects}
@@ -257,7 +258,7 @@ def consistency_problems(step_dir: Path, manifest: dict, trainer: Optional[dict]
         writers = {int(mm.group(1)) for rel in files if (mm := _DATA_FILE.match(rel))}
         lacking = sorted(set(range(ws)) - rng)
         if lacking:
-            problems.append(f"rng/rank_{lacking[0]}.pt is missing although rank {lacking[0]} existed at save "
+            problems.append(f"{rng_relpath(lacking[0])} is missing although rank {lacking[0]} existed at save "
                             f"(world size {ws})" if len(lacking) == 1 else
                             f"RNG files of ranks {', '.join(map(str, lacking[:8]))} are missing although they "
                             f"existed at save (world size {ws})")
@@ -285,7 +286,7 @@ def _data_problems(manifest: dict, trainer: dict, step: Optional[int]) -> list[s
     elif epoch * n + index != seen:
         out.append(f"trainer.json data position does not add up: epoch {epoch:,} x {n:,} prompts + index "
                    f"{index:,} != samples_seen {seen:,}")
-    for where, x in (("trainer.json", trainer.get("samples_seen")), (MANIFEST, manifest.get("samples_seen"))):
+    for where, x in ((TRAINER_FILE, trainer.get("samples_seen")), (MANIFEST, manifest.get("samples_seen"))):
         if x != seen:
             out.append(f"{where} samples_seen is {x!r}, the data position says {seen!r}")
     cfg = manifest.get("config")

@@ -84,20 +84,21 @@ def _hf_dir(p: Path, given: str) -> ModelSource:
     manifest = _manifest_if_there(source)
     if manifest is None:
         return ModelSource("export", given, str(p), step, source)
+    from engine.checkpoint.layout import StepDir
+
     return ModelSource("export", given, str(p), step, source, manifest.get("config") or {},
-                       f"{Path(source) / 'manifest.json'} (the export's source checkpoint)")
+                       f"{StepDir.at(source).manifest_path} (the export's source checkpoint)")
 
 
 def _manifest_if_there(step_dir: str) -> Optional[dict]:
     """The manifest of an export's source checkpoint, when it is still there and readable."""
-    if not step_dir or not (Path(step_dir) / "manifest.json").is_file():
-        return None
-    from engine.checkpoint.layout import STEP_RE, StepDir
+    from engine.checkpoint.layout import StepDir
     from engine.checkpoint.manifest import read_manifest
 
-    m = STEP_RE.match(Path(step_dir).name)
+    if not step_dir or not StepDir.at(step_dir).complete:
+        return None
     try:
-        return read_manifest(StepDir(Path(step_dir), int(m.group(1)) if m else 0))
+        return read_manifest(StepDir.at(step_dir))
     except CheckpointError:
         return None
 
@@ -117,6 +118,7 @@ def _checkpoint(p: Path, given: str, tmp: Path) -> ModelSource:
                                                                           "Evaluate an earlier step")
         raise CheckpointError(message.replace("export an earlier step", "evaluate an earlier step"),
                               title=e.title) from None
-    manifest = read_manifest(StepDir(Path(result.source_step_dir), result.step))
+    source = StepDir(Path(result.source_step_dir), result.step)
+    manifest = read_manifest(source)
     return ModelSource("checkpoint", given, str(tmp / "hf"), result.step, result.source_step_dir,
-                       manifest.get("config") or {}, f"{Path(result.source_step_dir) / 'manifest.json'}")
+                       manifest.get("config") or {}, str(source.manifest_path))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoint.find import earlier_hint, find_checkpoint
-from engine.checkpoint.layout import MANIFEST
+from engine.checkpoint.layout import STATE_DIR, StepDir
 from engine.errors import CheckpointError
 
 EXPORT_MARKER = "rl_export.json"   # written into every exported directory
@@ -26,7 +26,7 @@ class SourceCheckpoint:
 
     @property
     def state_dir(self) -> Path:
-        return self.step_dir / "state"
+        return StepDir(self.step_dir, self.step).state
 
     @property
     def config(self) -> dict:
@@ -43,6 +43,7 @@ def locate(path: Path) -> SourceCheckpoint:
                               f"step_N/.", title="not an rl checkpoint")
     loc = find_checkpoint(path, command="export")
     step_dir, step = loc.step.path, loc.step.step
+    from engine.checkpoint.io.dcp import METADATA_FILE
     from engine.checkpoint.manifest import read_manifest, saved_entries
     from engine.checkpoint.verify import raise_if_corrupt, verify_step
 
@@ -52,15 +53,15 @@ def locate(path: Path) -> SourceCheckpoint:
     except CheckpointError as e:
         raise CheckpointError(e.message.replace("resume an earlier one.", "export an earlier step."),
                               title=e.title) from None
-    if not (step_dir / "state" / ".metadata").is_file():
-        raise CheckpointError(f"{step_dir}/state/.metadata is missing: the DCP shards cannot be read.{hint}",
-                              title="incomplete checkpoint")
+    if not (loc.step.state / METADATA_FILE).is_file():
+        raise CheckpointError(f"{step_dir}/{STATE_DIR}/{METADATA_FILE} is missing: the DCP shards cannot be "
+                              f"read.{hint}", title="incomplete checkpoint")
     raise_if_corrupt(verify_step(step_dir, manifest, content=True), hint)
     # every pickle in the step through the restricted unpickler, as `rl resume` does, before DCP
     # sees any of it: a checkpoint crafted to run code is refused whole, not only where export reads
     from engine.checkpoint.io.safe_unpickle import read_torch_archive
 
-    saved_entries(step_dir / "state", str(step_dir / "state"), read_values=True)
-    for f in sorted((step_dir / "rng").glob("rank_*.pt")):
+    saved_entries(loc.step.state, str(loc.step.state), read_values=True)
+    for f in loc.step.rng_files():
         read_torch_archive(f, display=str(f))
     return SourceCheckpoint(step_dir, step, manifest)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.checkpoint.layout import (MANIFEST, RNG_FILE_RE, STEP_RE, TMP_STEP_RE,
-                                      manifest_file_problems, step_from_name)
+from engine.checkpoint.layout import (MANIFEST, RNG_DIR, RNG_FILE_RE, RUN_FILE, STATE_DIR, STEP_RE, TMP_STEP_RE,
+                                      TRAINER_FILE, StepDir, manifest_file_problems, step_from_name)
 from engine.checkpoint.leftovers import find_leftovers
 from engine.errors import CheckpointError
 from engine.inspect.config_check import check_config
@@ -39,20 +39,19 @@ def is_rl_step(path: Path) -> bool:
             return read_json(m, what=MANIFEST).get("format") == "rl-checkpoint"
         except (CheckpointError, AttributeError):
             return bool(STEP_RE.match(path.name) or TMP_STEP_RE.match(path.name))
-    return (path / "state").is_dir() and ((path / "trainer.json").exists()
-                                          or (path / "rng").is_dir()
-                                          or bool(STEP_RE.match(path.name)
-                                                  or TMP_STEP_RE.match(path.name)))
+    step = StepDir.at(path)
+    return step.state.is_dir() and (step.trainer_json.exists() or step.rng.is_dir()
+                                    or bool(STEP_RE.match(path.name) or TMP_STEP_RE.match(path.name)))
 
 
 def is_rl_run(path: Path) -> bool:
     """A run root: run.json of ours, or step_N children that look like rl steps."""
     if not path.is_dir():
         return False
-    rj = path / "run.json"
+    rj = path / RUN_FILE
     if rj.is_file():
         try:
-            if read_json(rj, what="run.json").get("format") == "rl-run":
+            if read_json(rj, what=RUN_FILE).get("format") == "rl-run":
                 return True
         except (CheckpointError, AttributeError):
             pass
@@ -61,7 +60,7 @@ def is_rl_run(path: Path) -> bool:
 
 def _run_root_of(step_dir: Path) -> Optional[Path]:
     parent = step_dir.resolve().parent
-    if (parent / "run.json").is_file() or (parent / "config.yaml").is_file():
+    if (parent / RUN_FILE).is_file() or (parent / "config.yaml").is_file():
         return parent
     return None
 
@@ -85,9 +84,10 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
     """Report for one `rl` step directory (complete or not). ``verify``: check every file's
     content hash and the manifest's cross-checks first (exit 2 on any mismatch)."""
     shown = display or str(path)
+    step = StepDir.at(path)
     manifest: Optional[dict] = None
-    if (path / MANIFEST).is_file():
-        manifest = read_json(path / MANIFEST, what=f"{shown}/{MANIFEST}")
+    if step.manifest_path.is_file():
+        manifest = read_json(step.manifest_path, what=f"{shown}/{MANIFEST}")
         if not isinstance(manifest, dict):
             raise CheckpointError(f"{shown}/{MANIFEST} is not a JSON object; it is corrupt.",
                                   title="corrupt checkpoint")
@@ -125,12 +125,12 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
             trouble(p)
 
     # state/ (DCP)
-    state = path / "state"
+    state = step.state
     if state.is_dir():
         try:
-            c = read_dcp(state, display=f"{shown}/state", group=rl_group)
+            c = read_dcp(state, display=f"{shown}/{STATE_DIR}", group=rl_group)
             if not c.problems:
-                fill_object_previews(state, c, display=f"{shown}/state")
+                fill_object_previews(state, c, display=f"{shown}/{STATE_DIR}")
             rep.tensors.extend(c.tensors)
             rep.objects.extend(c.objects)
             for p in c.problems:
@@ -144,20 +144,16 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
         trouble("state/ is missing")
 
     # rng/rank_R.pt
-    rng_dir = path / "rng"
     rng_ranks: list[int] = []
-    if rng_dir.is_dir():
-        for f in sorted(rng_dir.iterdir(), key=lambda p: p.name):
-            m = RNG_FILE_RE.match(f.name)
-            if not m:
-                continue
+    if step.rng.is_dir():
+        for f in step.rng_files():
             if not f.is_file() or f.is_symlink():
-                trouble(f"rng/{f.name} is not a regular file")
+                trouble(f"{RNG_DIR}/{f.name} is not a regular file")
                 continue
-            rank = int(m.group(1))
+            rank = int(RNG_FILE_RE.match(f.name).group(1))
             rng_ranks.append(rank)
             try:
-                archive = read_torch_archive(f, display=f"{shown}/rng/{f.name}")
+                archive = read_torch_archive(f, display=f"{shown}/{RNG_DIR}/{f.name}")
             except CheckpointError as e:
                 if complete:
                     raise
@@ -169,10 +165,10 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
 
     # trainer.json
     trainer: dict = {}
-    tj = path / "trainer.json"
+    tj = step.trainer_json
     if tj.is_file() and not tj.is_symlink():
         try:
-            trainer = read_json(tj, what=f"{shown}/trainer.json")
+            trainer = read_json(tj, what=f"{shown}/{TRAINER_FILE}")
         except CheckpointError as e:
             if complete:
                 raise
@@ -283,9 +279,9 @@ def inspect_rl_run(path: Path, *, display: Optional[str] = None, verify: bool = 
         p = path / name
         if p.is_file():
             run.files.append(FileInfo(name, p.stat().st_size))
-    if (path / "run.json").is_file():
+    if (path / RUN_FILE).is_file():
         try:
-            rj = read_json(path / "run.json", what="run.json")
+            rj = read_json(path / RUN_FILE, what=RUN_FILE)
             if isinstance(rj, dict):
                 run.info.update({k: rj[k] for k in ("created", "engine", "version") if k in rj})
         except CheckpointError as e:
