@@ -169,3 +169,35 @@ def test_a_real_cuda_oom_in_the_update(tmp_path):
     msg = _assert_answer(r, "update", "rank 0 on node", run, args, None)
     assert "Out of device (GPU) memory" in msg and "CUDA out of memory" in msg
     shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_process_killed_for_memory_is_told_apart_from_one_that_died(monkeypatch):
+    """Ray's memory monitor's words, or a grown oom_kill count of the cgroup, make a lost rank an
+    OOM answer; a plain crash (SIGKILL by hand, a node lost) stays a lost rank."""
+    from engine.memory import oom
+
+    said = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2, "
+            "ID: ab12) where the lease was running was 30.1GB / 31.3GB (0.96), which exceeds the memory usage "
+            "threshold of 0.95.")
+    assert oom.killed_for_memory(said, 0).startswith("killed by Ray's memory monitor: 1 worker(s) were killed")
+    monkeypatch.setattr(oom, "cgroup_oom_kills", lambda: 3)
+    assert oom.killed_for_memory("The actor died unexpectedly before finishing this task.", 2) == \
+        "killed by the kernel's OOM killer: this cgroup's oom_kill count went 2 -> 3"
+    assert oom.killed_for_memory("The actor died unexpectedly before finishing this task.", 3) == ""
+    assert oom.killed_for_memory("The actor died unexpectedly before finishing this task.", None) == ""
+    monkeypatch.setattr(oom, "cgroup_oom_kills", lambda: None)   # no readable cgroup: nothing is claimed
+    assert oom.killed_for_memory("worker exited with SIGKILL", 0) == ""
+
+
+@pytest.mark.slow
+def test_a_rank_that_rays_memory_monitor_kills_is_the_oom_answer(tmp_path):
+    """A private local Ray whose memory monitor kills above 2 % of the node's memory (the rank is
+    killed as soon as it runs): exit 2 with the OOM answer naming the phase, the rank and who
+    killed it, not a traceback of ray.exceptions.OutOfMemoryError (what it was) or 'rank lost'."""
+    env = {**RL_ENV, "RAY_memory_usage_threshold": "0.02", "RAY_memory_monitor_refresh_ms": "50"}
+    r = rl("train", *TINY, "trainer.total_steps=2", f"checkpoint.dir={tmp_path / 'run'}", env=env,
+           pre="import os\nos.environ.pop('RAY_ADDRESS', None)", timeout=600)
+    out = flat(r.stdout + r.stderr)
+    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert "Out of host memory in" in out and "on rank 0" in out and "killed by Ray's memory monitor" in out, out
+    assert "Top fix from the memory estimate" in out

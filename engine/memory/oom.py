@@ -287,3 +287,50 @@ def answer(err: OutOfMemory, cfg, run_dir: Path, where: str = "") -> OutOfMemory
                         if fix is not None else f": continue with `rl resume {run_dir}` once memory allows."))
     return OutOfMemory(" ".join(parts), phase=err.phase, rank=err.rank, kind=err.kind, peak_bytes=err.peak_bytes,
                        limit_bytes=err.limit_bytes, step=err.step, detail=err.detail)
+
+
+# ---- a process killed for memory (nothing to catch in it) ---------------------------------
+# what Ray's memory monitor says when it kills a worker (ray.exceptions.OutOfMemoryError, or the
+# death cause of an actor it killed)
+_RAY_KILL_WORDS = ("running low on memory", "running out of memory", "memory usage threshold")
+
+
+def killed_for_memory(error_text: str, oom_kills_before: Optional[int]) -> str:
+    """Why a lost process was killed for memory, in words, or '' when nothing says so: Ray's
+    memory monitor (its error text) or the kernel's OOM killer (the oom_kill count of this
+    process's cgroup, cgroup v2 ``memory.events``, which counts its whole subtree: a local Ray's
+    workers included, grew since ``oom_kills_before``)."""
+    text = " ".join(str(error_text).split())
+    if any(w in text.lower() for w in _RAY_KILL_WORDS):
+        first = next((s for s in text.split(". ") if any(w in s.lower() for w in _RAY_KILL_WORDS)), text)
+        return f"killed by Ray's memory monitor: {first[:200].rstrip('.')}"
+    now = cgroup_oom_kills()
+    if oom_kills_before is not None and now is not None and now > oom_kills_before:
+        return f"killed by the kernel's OOM killer: this cgroup's oom_kill count went {oom_kills_before} -> {now}"
+    return ""
+
+
+def cgroup_oom_kills() -> Optional[int]:
+    """The ``oom_kill`` count of this process's memory cgroup and its descendants: cgroup v2
+    ``memory.events``, or v1 ``memory.oom_control``; None where neither is readable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    places = []
+    for parts in lines:
+        if len(parts) == 3 and "memory" in parts[1].split(","):   # v1: "4:memory:/path"
+            places.append(os.path.join("/sys/fs/cgroup/memory", parts[2].lstrip("/"), "memory.oom_control"))
+        elif len(parts) == 3 and parts[0] == "0" and parts[1] == "":  # v2: "0::/path"
+            places.append(os.path.join("/sys/fs/cgroup", parts[2].lstrip("/"), "memory.events"))
+    for place in places:
+        try:
+            with open(place) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.config.resolved import resolve_run
 from engine.config.schema import RunConfig
 from engine.errors import UserError
-from engine.memory.oom import oom_test_env
+from engine.memory.oom import OutOfMemory, cgroup_oom_kills, killed_for_memory, oom_test_env
 from engine.threads import omp_spin_count, rank_env, usable_cpus
 from engine.trainer.ray_cluster import get, timeout_error
 from engine.trainer.worker import RankWorker
@@ -30,7 +30,13 @@ if TYPE_CHECKING:
 
     from engine.batch import SequenceBatch
 
-LOST_GRACE_S = 60.0  # after one rank fails, how long to wait for Ray to report which rank was lost
+LOST_GRACE_S = 60.0
+# a call's description (``_collect``'s ``what``) -> its phase name (engine/memory/oom.py PHASE_WORDS)
+PHASE_OF_CALL = {"the ranks to start": "load_model", "rank 0's rendezvous": "load_model", "rollout": "rollout",
+                 "reference log-probs": "ref_log_probs", "old log-probs": "old_log_probs",
+                 "the policy update": "update", "the critic's values": "values", "the critic update": "critic_update",
+                 "the checkpoint save": "save_checkpoint", "the checkpoint load": "load_checkpoint",
+                 "onload": "onload", "offload": "offload"}  # after one rank fails, how long to wait for Ray to report which rank was lost
 
 
 class RankLost(UserError):
@@ -77,6 +83,7 @@ class WorkerGroup:
         self.timeout = cfg.trainer.ray_timeout_s
         self.bytes_sent = self.bytes_received = 0
         self.placement, self.info, self._closed = [], [], False
+        self.oom_kills_at_start = cgroup_oom_kills()  # a rank the kernel kills for memory raises it
         t = cfg.trainer
         n = t.nprocs
         threads = t.threads_per_rank or max(1, usable_cpus() // n)
@@ -159,7 +166,7 @@ class WorkerGroup:
         node died) ends the run with RankLost naming it; a rank that fails because a peer died
         (a broken collective) is reported as that peer's loss."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
         try:
             return ray.get(refs, timeout=self.timeout)
@@ -170,7 +177,7 @@ class WorkerGroup:
             if isinstance(cause, UserError):
                 raise cause from None
             failure = e
-        except RayActorError as e:
+        except (RayActorError, OutOfMemoryError) as e:  # the latter: Ray's memory monitor killed a rank
             failure = e
         # find the lost rank: give Ray a bounded time to report the other calls' outcome
         idx = {r: i for i, r in enumerate(refs)}
@@ -181,13 +188,16 @@ class WorkerGroup:
             for r in done:
                 try:
                     ray.get(r, timeout=0)
-                except (RayActorError, GetTimeoutError) as e:
-                    lost.append((idx[r], type(e).__name__))
+                except (RayActorError, GetTimeoutError, OutOfMemoryError) as e:
+                    lost.append((idx[r], type(e).__name__, str(e)))
                 except Exception:
                     pass
         if lost:
-            i, why = lost[0]
-            others = ", ".join(self._where(j) for j, _ in lost[1:])
+            i, why, text = lost[0]
+            killed = killed_for_memory(text, self.oom_kills_at_start)
+            if killed:  # killed for memory: the OOM answer (exit 2, the estimate's top fix), not "lost"
+                raise OutOfMemory(phase=PHASE_OF_CALL.get(what, what), rank=i, kind="host", detail=killed)
+            others = ", ".join(self._where(j) for j, *_ in lost[1:])
             raise RankLost(f"{self._where(i)} was lost while {what} ({why}: its worker process or node died)"
                            + (f"; also lost: {others}" if others else "") +
                            f". The run stopped; checkpoints already complete are intact. Continue with "
