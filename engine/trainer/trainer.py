@@ -33,6 +33,7 @@ from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
 from engine.tracking.samples import is_sample_step, pick_rows
 from engine.trainer.data import PromptStream
+from engine.trainer.resume import carry_out
 from engine.events import RunPlan, RunSummary, StepRecord, Validation
 from engine.trainer.run_dir import RunDir
 from engine.trainer.setup import RunInputs
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
 def train(cfg: RunConfig, run_dir: Path, *, overrides: list[str] | None = None, changed: dict | None = None,
           on_event: Callable[[object], None] = lambda e: None, resume=None,
           env_refs: dict | None = None) -> RunSummary:
-    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.plan.ResumePlan).
+    """Run ``cfg`` end to end (or continue ``resume``, a engine.checkpoint.plan.ResumePlan,
+    carried out by engine/trainer/resume.py).
 
     Every event goes to ``on_event`` (the CLI) and, for what is logged, to the configured
     loggers (engine/tracking/): metrics.jsonl, samples.jsonl, TensorBoard, wandb, MLflow.
@@ -93,7 +95,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                     step_dir = Path(resume.step_dir)
                     with phase(on_event, "load_checkpoint", f"load checkpoint {step_dir.name}",
                                total_bytes=tree_bytes(step_dir)):
-                        start_step = resume.apply(workers, stream)
+                        start_step = carry_out(resume, workers, stream)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
                 rdir.carry_rows_after(start_step if resume is not None else -1)  # the next checkpoints' rows.json
                 plan = _plan(cfg, inputs, workers, start_step, changed or {}, run_dir)
