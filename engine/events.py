@@ -74,6 +74,7 @@ class StepRecord:
     samples: list = field(default_factory=list)     # SampleRow dicts (only on sample-logging steps)
     alarms: list = field(default_factory=list)      # alarms that started at this step ({kind, step, message})
     driver_bytes: dict = field(default_factory=dict)  # {"sent", "received"}: pickled bytes of the step's rank calls
+    staleness: dict = field(default_factory=dict)  # trainer.mode samples ahead: versions and staleness (engine/algorithms/staleness.py)
 
     def to_json(self) -> dict:
         """The metrics.jsonl row: every field but memory (memory.jsonl) and samples

@@ -12,7 +12,8 @@ stays true is not repeated until its condition has cleared once. Four kinds:
   the mean reward of the last ``window`` steps is ``reward_drop`` below its best (longer
   responses that earn more reward are learning, not blowing up).
 - ``logprob_mismatch``: approx KL between the rollout's token log-probs and the trainer's
-  for the same weights above ``rollout_kl_max`` (sampler/trainer numerics disagree).
+  for the same weights above ``rollout_kl_max`` (sampler/trainer numerics disagree); judged
+  only on steps whose samples came from the weights being trained (not stale ones).
 - ``val_drop``: held-out score at least ``val_drop`` below its best while the mean training
   reward of the last ``window`` steps is above what it was when that best was measured.
 - ``nonfinite_grad``: an optimizer step (policy or critic) had a nan/inf gradient norm and was
@@ -78,7 +79,10 @@ class AlarmMonitor:
                     f"or a length-aware reward.")
 
         rkl = row.get("rollout_kl")
-        if rkl is not None and rkl > c.rollout_kl_max:
+        # samples from older weights (trainer.mode=one_step_off|async) differ by the policy's own
+        # change as well: only steps trained on samples of the current weights are judged
+        stale = (row.get("staleness") or {}).get("max", 0)
+        if rkl is not None and rkl > c.rollout_kl_max and not stale:
             firing["logprob_mismatch"] = (
                 f"approx KL between rollout and trainer log-probs is {rkl:.4f} (> {c.rollout_kl_max}): the sampler "
                 f"and the trainer disagree on the same weights (dtype, sampling params, stale weight sync). Check "

@@ -27,12 +27,14 @@ class Rollout:
     rewards: torch.Tensor                  # [B] task rewards
     correct: list | None = None            # [B] bools, when the task defines correctness
     examples: list = field(default_factory=list)   # [prompts] the task examples, in order
+    versions: list = field(default_factory=list)   # [B] the policy version each row was sampled with
 
     def groups(self, idx: list[int], n: int) -> "Rollout":
         rows = [g * n + j for g in idx for j in range(n)]
         return Rollout(self.batch.select(rows), self.rewards[rows],
                        [self.correct[r] for r in rows] if self.correct is not None else None,
-                       [self.examples[g] for g in idx] if self.examples else [])
+                       [self.examples[g] for g in idx] if self.examples else [],
+                       [self.versions[r] for r in rows] if self.versions else [])
 
     @staticmethod
     def concat(parts: list["Rollout"], pad_token_id: int = 0) -> "Rollout":
@@ -40,7 +42,8 @@ class Rollout:
         correct = None if any(p.correct is None for p in parts) else [c for p in parts for c in p.correct]
         return Rollout(SequenceBatch.concat([p.batch for p in parts], pad_token_id),
                        torch.cat([p.rewards for p in parts]), correct,
-                       [e for p in parts for e in p.examples])
+                       [e for p in parts for e in p.examples],
+                       [] if any(not p.versions for p in parts) else [v for p in parts for v in p.versions])
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from engine.algorithms.gspo import gspo_token_loss, sequence_ratio_metrics
@@ -38,6 +40,34 @@ def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch
     return loss, (clipped > unclipped).float()
 
 
+def rollout_is_weight(old_log_p: torch.Tensor, rollout_log_p: torch.Tensor, mask: torch.Tensor, level: str,
+                      cap: float) -> torch.Tensor:
+    """The truncated importance weight min(pi_old / pi_rollout, cap) per token (``level='token'``),
+    or per response (``'sequence'``: the product of its tokens' ratios, the same weight on each of
+    its tokens). ``old_log_p`` is the trainer's policy at the update (detached), ``rollout_log_p``
+    the sampler's; only response tokens (``mask``) count. Decoupled PPO (Hilton et al. 2022; AReaL,
+    verl's rollout_is): the clip ratio stays against pi_old, this weight corrects for the policy
+    that actually sampled."""
+    log_w = (old_log_p - rollout_log_p) * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+    return torch.exp(log_w.clamp(max=math.log(cap))) * mask
+
+
+def rollout_ratio_report(old_log_p: torch.Tensor, rollout_log_p: torch.Tensor, mask: torch.Tensor, cap: float,
+                         n_tokens: float, n_seqs: float) -> dict:
+    """Shares of the global token means of pi_old / pi_rollout and its square, its extremes on this
+    micro-batch, and the share of tokens whose ratio exceeded ``cap`` (engine/algorithms/staleness.py)."""
+    ratio = torch.exp((old_log_p - rollout_log_p) * mask)
+    tok = lambda v: aggregate(v, mask, "token-mean", n_tokens, n_seqs).item()  # noqa: E731
+    out = {"rollout_ratio_mean": tok(ratio), "rollout_ratio_sq_mean": tok(ratio * ratio),
+           "rollout_is_truncated_frac": tok((ratio > cap).float())}
+    picked = ratio[mask > 0]
+    if picked.numel():
+        out["rollout_ratio_min"], out["rollout_ratio_max"] = picked.min().item(), picked.max().item()
+    return out
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, n_tokens: float, n_seqs: float) -> torch.Tensor:
     """Sum of this micro-batch's contribution to the global-mini-batch aggregate.
 
@@ -57,12 +87,23 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, n_tokens: flo
     raise ValueError(f"unknown loss_agg_mode {mode}")
 
 
+@dataclass(frozen=True)
+class OffPolicy:
+    """How the loss treats samples from other weights than the ones trained (engine/config/resolved.py
+    resolves it from trainer.mode and algorithm.rollout_is / off_policy_ratio)."""
+
+    is_level: str = "off"         # truncated importance weight pi_old / pi_rollout: off, token, sequence
+    behavior_ratio: bool = False  # PPO's ratio and clip against the sampler's log-probs
+    report: bool = False          # report pi_theta / pi_rollout's mean, spread and range (rollouts sampled ahead)
+
+
 @dataclass
 class PolicyLoss:
     """The LossFn the engines call per micro-batch (see engine/backends/base.py)."""
 
     cfg: AlgorithmConfig
     world_size: int = 1
+    off_policy: OffPolicy = OffPolicy()
 
     @property
     def needs_entropy(self) -> bool:
@@ -79,6 +120,9 @@ class PolicyLoss:
         c = self.cfg
         mask = mb.response_mask
         old = mb.old_log_probs if mb.old_log_probs is not None else log_p.detach()
+        off, roll = self.off_policy, mb.rollout_log_probs
+        if off.behavior_ratio and roll is not None:  # stale samples: clip against the sampler
+            old = torch.where(mask > 0, roll, old)
         agg = lambda v: aggregate(v, mask, c.loss_agg_mode, n_tokens, n_seqs)  # noqa: E731
         if c.loss == "gspo":
             terms = gspo_token_loss(log_p, old, mb.advantages, mask, c.gspo_clip_ratio_low, c.gspo_clip_ratio_high)
@@ -87,6 +131,13 @@ class PolicyLoss:
         else:
             pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high)
             extra = {}
+        if roll is not None and (off.report or off.is_level != "off"):  # the trained policy against the sampler's
+            with torch.no_grad():
+                extra |= rollout_ratio_report(log_p.detach(), roll, mask, c.rollout_is_cap, n_tokens, n_seqs)
+        if off.is_level != "off" and roll is not None:  # decoupled PPO: weigh by pi_old / pi_rollout, truncated
+            with torch.no_grad():
+                weight = rollout_is_weight(old.detach(), roll, mask, off.is_level, c.rollout_is_cap)
+            pg = pg * weight
         total = agg(pg)
         metrics = {"pg_loss": total.item(), "clip_frac": agg(clipped).item(), **extra}
         if mb.rollout_log_probs is not None:  # how far the sampler's log-probs are from the trainer's

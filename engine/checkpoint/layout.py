@@ -27,6 +27,7 @@ ASIDE_RE = re.compile(r"^\.(?:stale-step_(\d+)-\d+|deleting-step_(\d+))$")
 MANIFEST = "manifest.json"
 RUN_FILE = "run.json"
 TRAINER_FILE = "trainer.json"
+ROLLOUT_QUEUE_FILE = "rollout_queue.pt"  # trainer.mode=one_step_off|async: the rollouts sampled ahead
 STATE_DIR = "state"
 RNG_DIR = "rng"
 RNG_FILE_RE = re.compile(r"^rank_(\d+)\.pt$")             # inside rng/
@@ -91,6 +92,12 @@ class StepDir:
     @property
     def trainer_json(self) -> Path:
         return self.path / TRAINER_FILE
+
+    @property
+    def rollout_queue(self) -> Path:
+        """The batches sampled ahead of the next steps and the rollout worker's generator
+        (trainer.mode=one_step_off|async; absent in sync runs)."""
+        return self.path / ROLLOUT_QUEUE_FILE
 
     @property
     def manifest_path(self) -> Path:

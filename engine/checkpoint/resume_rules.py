@@ -91,6 +91,10 @@ REFUSED: dict[str, str] = {
     "task.": "the saved data position indexes this task's prompt set",
     "data.": "the saved data position counts prompts in this order and batch size",
     "trainer.seed": "seeds the data order that the saved position indexes, and every rank's sampler",
+    "trainer.mode": "the checkpoint holds the rollouts sampled ahead under this mode (or none, in sync mode), "
+                    "which the next steps train on",
+    "trainer.max_staleness": "the checkpoint holds the rollouts sampled ahead for this many versions, which the "
+                             "next steps train on",
     "optim.": "the optimizer's hyper-parameters and LR schedule are restored from the checkpoint, so a new "
               "value would be silently ignored",
     "algorithm.": "changes the objective the optimizer state was accumulated for",

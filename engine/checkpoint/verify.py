@@ -291,6 +291,9 @@ def _data_problems(manifest: dict, trainer: dict, step: Optional[int]) -> list[s
             out.append(f"{where} samples_seen is {x!r}, the data position says {seen!r}")
     cfg = manifest.get("config")
     bs = _int(((cfg or {}).get("data") or {}).get("train_batch_size")) if isinstance(cfg, dict) else None
-    if bs and step is not None and seen != step * bs:
-        out.append(f"samples_seen {seen:,} is not step {step} x data.train_batch_size {bs}")
+    queued = _int(trainer.get("queued_prompts", 0)) or 0  # trainer.mode sampled ahead: drawn, not yet trained
+    refilled = bool(((cfg or {}).get("algorithm") or {}).get("dynamic_sampling")) if isinstance(cfg, dict) else False
+    if bs and step is not None and (seen < step * bs + queued if refilled else seen != step * bs + queued):
+        drawn = f"step {step} x data.train_batch_size {bs}" + (f" + {queued} queued" if queued else "")
+        out.append(f"samples_seen {seen:,} is {'below' if refilled else 'not'} {drawn}")
     return out

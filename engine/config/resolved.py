@@ -28,6 +28,27 @@ def updates_per_step(cfg: RunConfig) -> int:
     return cfg.algorithm.ppo_epochs * (cfg.data.train_batch_size // mini_batch_prompts(cfg))
 
 
+def versions_ahead(cfg: RunConfig) -> int:
+    """How many policy versions rollouts may run ahead of the update (trainer.mode): sync 0,
+    one_step_off 1, async trainer.max_staleness. 0 = the synchronous trainer, exactly."""
+    t = cfg.trainer
+    return {"sync": 0, "one_step_off": 1}.get(t.mode, t.max_staleness)
+
+
+def rollout_is_level(cfg: RunConfig) -> str:
+    """algorithm.rollout_is with ``auto`` resolved: token when rollouts run ahead, else off."""
+    level = cfg.algorithm.rollout_is
+    if level == "auto":
+        return "token" if versions_ahead(cfg) and not behavior_ratio(cfg) else "off"
+    return level
+
+
+def behavior_ratio(cfg: RunConfig) -> bool:
+    """PPO's ratio is against the sampler's log-probs (algorithm.off_policy_ratio=behavior, with
+    samples that may be stale); else against the trainer's at the update."""
+    return cfg.algorithm.off_policy_ratio == "behavior" and versions_ahead(cfg) > 0
+
+
 @dataclass(frozen=True)
 class ResolvedRun:
     """A validated config and what follows from it, as every rank receives it."""
@@ -37,10 +58,15 @@ class ResolvedRun:
     data_parallel: int        # model replicas (each gets its share of every batch)
     mini_batch_prompts: int   # prompts per optimizer step
     updates_per_step: int     # optimizer steps per RL step (sizes the LR schedule)
+    versions_ahead: int = 0   # trainer.mode: policy versions rollouts may run ahead (0 = sync)
+    rollout_is: str = "off"   # algorithm.rollout_is resolved (off, token, sequence)
+    behavior_ratio: bool = False  # PPO's ratio against the sampler's log-probs (algorithm.off_policy_ratio)
 
 
 def resolve_run(cfg: RunConfig) -> ResolvedRun:
     """``cfg`` (already validated: engine/config/validate.py) resolved for the ranks."""
     mp = model_parallel_size(cfg)
     return ResolvedRun(config=cfg, model_parallel=mp, data_parallel=max(1, cfg.trainer.nprocs // mp),
-                       mini_batch_prompts=mini_batch_prompts(cfg), updates_per_step=updates_per_step(cfg))
+                       mini_batch_prompts=mini_batch_prompts(cfg), updates_per_step=updates_per_step(cfg),
+                       versions_ahead=versions_ahead(cfg), rollout_is=rollout_is_level(cfg),
+                       behavior_ratio=behavior_ratio(cfg))

@@ -71,6 +71,14 @@ class TrainerConfig:
     sample_log_n: int = _f(4, "how many prompt/response/reward rows each sample log holds", min=1)
     stop_on_alarm: bool = _f(False, "stop cleanly (with a checkpoint) at the first step that raises an alarm "
                                     "(see the alarms section)")
+    mode: str = _f("sync", "sync: each step's rollout waits for the previous update (on-policy); one_step_off: the "
+                           "next step's rollout runs during this step's update, on the weights before it (every "
+                           "sample one version stale); async: rollouts run up to trainer.max_staleness versions "
+                           "ahead. The off-sync modes sample in a separate rollout worker holding its own copy of "
+                           "the policy, synced after each update (docs/async.md)",
+                   choices=["sync", "one_step_off", "async"])
+    max_staleness: int = _f(1, "async: how many policy versions a sample may lag the weights it is trained from "
+                               "(0 = no rollout ahead: the sync trainer exactly)", min=0)
 
 
 @dataclass
@@ -231,6 +239,21 @@ class AlgorithmConfig:
                                      "ramp the reward down by up to overlong_penalty_factor; 0 = off", min=0)
     overlong_penalty_factor: float = _f(1.0, "the largest overlong penalty (reached at rollout.max_new_tokens)",
                                         min=0.0)
+    rollout_is: str = _f("auto", "importance weight of the trainer's policy against the sampler's on each token "
+                                 "(decoupled PPO: the clip ratio is against the trainer's weights at the update, "
+                                 "this weight corrects for the weights that sampled): token (per token), sequence "
+                                 "(the product over the response), off; each truncated at rollout_is_cap. auto = "
+                                 "token with off_policy_ratio=proximal when trainer.mode samples ahead, else off",
+                         choices=["auto", "off", "token", "sequence"])
+    off_policy_ratio: str = _f("behavior", "what PPO's ratio and clip compare the trained policy with when samples "
+                                           "may be stale (trainer.mode one_step_off/async): behavior = the sampler's own "
+                                           "log-probs (the clip bounds the policy's move from the weights that "
+                                           "sampled; no separate weight); proximal = the trainer's "
+                                           "weights at the update, with the rollout importance weight correcting for "
+                                           "the sampling weights (decoupled PPO, as verl's rollout_is)",
+                               choices=["behavior", "proximal"])
+    rollout_is_cap: float = _f(2.0, "upper truncation of the rollout importance weight (truncated IS; verl's "
+                                    "rollout_is_threshold)", above=0.0)
     router_replay: str = _f("off", "mixture-of-experts policies: record the rollout's top-k experts per token and "
                                    "layer (record), and also make the trainer's forward use them (replay); "
                                    "docs/moe.md", choices=["off", "record", "replay"])

@@ -397,6 +397,10 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 f"supported yet: the routers' record/replay hooks switch per forward, which a compiled graph "
                 f"would not follow. Set engine.compile=false, or algorithm.router_replay=off.",
                 title="invalid config")
+    if cfg.trainer.mode != "sync":
+        from engine.config.async_rules import check_rollout_ahead
+
+        check_rollout_ahead(cfg)
     # whether this machine can run the config (CUDA, FP8 hardware) is checked where torch is
     # already loaded: engine.device.check_device_config, before a run starts
 

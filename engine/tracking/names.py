@@ -39,7 +39,7 @@ STEP_FIELDS: dict[str, str] = {
 # val/ metrics are logged from Validation events (validation.jsonl), not from the step rows
 # nested dicts in a row: prefix -> field
 STEP_DICTS: dict[str, str] = {"perf/time/": "timing", "mem/": "mem_peaks", "train/": "algo",
-                              "train/reward/": "reward_fns"}  # each reward source (function, reward model, URL)
+                              "train/reward/": "reward_fns", "async/": "staleness"}  # each reward source (function, reward model, URL)
 # short names people type: `rl plot --metric reward`
 ALIASES: dict[str, str] = {"reward": "train/reward", "accuracy": "train/accuracy", "val": "val/reward",
                            "reward_mean": "train/reward"}

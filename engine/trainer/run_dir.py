@@ -201,7 +201,7 @@ class RunDir:
 
         self.rows = RowCarrier(self.path, step)
 
-    def save(self, cfg: RunConfig, workers, step: int, stream) -> Path:
+    def save(self, cfg: RunConfig, workers, step: int, stream, ahead=None) -> Path:
         from engine.checkpoint.manifest import run_manifest
         from engine.checkpoint.save import finalize_checkpoint, prepare_tmp, tmp_dir
 
@@ -210,6 +210,11 @@ class RunDir:
         if self.rows is None:
             self.carry_rows_after(-1)
         self.rows.write(tmp_dir(self.path, step), step)  # what resume needs to put back a torn row
+        files = dict(extra.get("files") or {})
+        if ahead is not None:  # trainer.mode samples ahead: the queued rollouts (engine/checkpoint/rollout_queue.py)
+            from engine.checkpoint.rollout_queue import save_rollout_queue
+
+            files.update(save_rollout_queue(tmp_dir(self.path, step), ahead.state_dict()))
         manifest = run_manifest(cfg, samples_seen=stream.pos.samples_seen, world_size=len(workers.info),
                                 dp_size=workers.dp_size, facts=workers.checkpoint_facts(),
                                 resolved_model_path=getattr(workers, "model_path", ""),
@@ -217,6 +222,8 @@ class RunDir:
         trainer_state = {"step": step, "samples_seen": stream.pos.samples_seen, "data": stream.state_dict(),
                          "learned_buckets": workers.bucket_state(),
                          "lr_scheduler": extra["lr_scheduler"]}
-        final = finalize_checkpoint(self.path, step, trainer_state, manifest, extra.get("files"))
+        if ahead is not None:  # prompts drawn for the queued rollouts: in samples_seen, not yet trained on
+            trainer_state["queued_prompts"] = ahead.queued_prompts()
+        final = finalize_checkpoint(self.path, step, trainer_state, manifest, files)
         prune(self.path, cfg.checkpoint.keep_last)
         return final

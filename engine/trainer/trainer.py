@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Callable
 from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
-from engine.config.resolved import mini_batch_prompts, updates_per_step
+from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record
+from engine.config.resolved import mini_batch_prompts, updates_per_step, versions_ahead
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
@@ -80,7 +81,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
     try:
         if resume is None:
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
-        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1,
+        ahead = None  # trainer.mode=one_step_off|async: the rollout worker's schedule (engine/trainer/rollout_ahead.py)
+        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1 + (versions_ahead(cfg) > 0),
                          connect_timeout_s=cfg.trainer.ray_connect_timeout_s) as (_, ray_target):
             with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
                 workers = WorkerGroup(cfg, run_dir)  # launched: each rank starts and imports torch
@@ -98,6 +100,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                         start_step = carry_out(resume, workers, stream)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
                 rdir.carry_rows_after(start_step if resume is not None else -1)  # the next checkpoints' rows.json
+                if versions_ahead(cfg):
+                    ahead = start_rollout_ahead(cfg, inputs, workers, stream, start_step, resume)
                 plan = _plan(cfg, inputs, workers, start_step, changed or {}, run_dir)
                 plan.ray, plan.placement = ray_target.describe(), workers.placement
                 on_event(plan)
@@ -123,7 +127,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                 for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                     workers.take_bytes()
                     with oom_guard("step", None, step):  # the driver's own allocations (engine/memory/oom.py)
-                        rec = rl_step(cfg, inputs, workers, stream, step)
+                        rec = rl_step(cfg, inputs, workers, stream, step, ahead)
                     rec.driver_bytes = workers.take_bytes()
                     last = step == cfg.trainer.total_steps
                     if cfg.trainer.val_freq and (step % cfg.trainer.val_freq == 0 or last):
@@ -151,7 +155,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                         tmp, final = rdir.path / f"{TMP_PREFIX}{step}", rdir.path / step_dir_name(step)
                         with phase(emit, "save_checkpoint", f"save checkpoint {final}", step=step,
                                    poll=lambda: tree_bytes(tmp if tmp.exists() else final)):
-                            rdir.save(cfg, workers, step, stream)
+                            rdir.save(cfg, workers, step, stream, ahead)
                         checkpoints.append(rec.checkpoint)
                     steps_run += 1
                     if len(rewards_first10) < 10:
@@ -167,6 +171,8 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                 raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
             finally:
                 inputs.rewards.close()
+                if ahead is not None:
+                    ahead.shutdown()
                 workers.shutdown()
         failed = False
     except OutOfMemory as e:  # any phase, any rank or the driver: one paragraph with the estimate's top fix
@@ -196,7 +202,25 @@ def _load_step_modules() -> None:
     import engine.algorithms.estimators  # noqa: F401
 
 
-def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, step: int) -> StepRecord:
+def start_rollout_ahead(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, start_step: int, resume):
+    """The rollout worker, loaded with the ranks' weights (version ``start_step``) and, on resume,
+    the batches the checkpoint had queued and its sampling generator."""
+    from engine.trainer.rollout_ahead import RolloutAhead
+
+    ahead = RolloutAhead(cfg, workers, stream, inputs.train_prompts)
+    try:
+        ahead.start(workers.model_path, inputs.vocab, start_step)
+        if resume is not None:
+            from engine.checkpoint.rollout_queue import load_rollout_queue
+
+            ahead.load_state_dict(load_rollout_queue(Path(resume.step_dir)))
+    except BaseException:
+        ahead.shutdown()
+        raise
+    return ahead
+
+
+def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, step: int, ahead=None) -> StepRecord:
     timing = {}
     t0 = time.perf_counter()
 
@@ -206,7 +230,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     n = cfg.algorithm.rollout_n
     gen_stats: list = []
     scores: list = []
-    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores, step)  # noqa: E731
+    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores, step,  # noqa: E731
+                                        ahead)
     sampling = None
     if cfg.algorithm.dynamic_sampling:
         from engine.algorithms.dynamic_sampling import dynamic_sample
@@ -217,6 +242,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         ro = draw(cfg.data.train_batch_size)
     batch, rewards = ro.batch, ro.rewards
     correct = sum(ro.correct) / len(ro.correct) if ro.correct is not None else None
+    if ahead is not None:  # the next steps' rollouts run on the rollout worker during this update
+        ahead.queue_ahead()
 
     # 3. reference log-probs (KL), then advantages (the estimator algorithm.name names)
     t = time.perf_counter()
@@ -270,6 +297,9 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
                 shapes.update(res.shapes)
                 peak = max(peak, res.rss_peak)
     timing["update"] = time.perf_counter() - t
+    if ahead is not None:  # version `step` to the rollout worker, behind the rollouts queued above
+        ahead.load_version(step)
+        timing["weight_sync"] = ahead.sync_s
 
     # 6. offload between steps (as configured) and collect every rank's memory records
     t = time.perf_counter()
@@ -283,6 +313,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
     algo.update({k: v for k, v in per_update.items() if k.startswith("value_") and k != "value_nonfinite_updates"})
     algo.update({k: v for k, v in per_update.items() if k.startswith("seq_")})  # GSPO's sequence ratio
+    algo.update(rollout_ratio_metrics(per_update))  # the trainer's policy against the sampler's
     for key in ("nonfinite_updates", "value_nonfinite_updates"):  # updates skipped for a nan/inf gradient norm
         if totals.get(key):
             algo[key] = int(totals[key])
@@ -319,11 +350,12 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         adv_max=float(adv_tokens.max()) if adv_tokens.numel() else 0.0,
         response_len_min=int(lengths.min()), response_len_max=int(lengths.max()),
         response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["eos"]),
-        samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples)
+        samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples,
+        staleness=staleness_record(ro.versions, step) if ahead is not None else {})
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,
-                       timing: dict, gen_stats: list, scores: list, step: int = 1) -> Rollout:
+                       timing: dict, gen_stats: list, scores: list, step: int = 1, ahead=None) -> Rollout:
     """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
     functions (engine/rewards: serially or in a process pool; with each response's token ids and
     where training is, for functions that ask); adds to ``timing`` (rollout, reward),
@@ -333,24 +365,31 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     from engine.algorithms.dynamic_sampling import Rollout
 
     t = time.perf_counter()
-    idx = stream.next_indices(k)
-    examples = [inputs.task.train[i] for i in idx]
-    prompts = [inputs.train_prompts[i] for i in idx]
     n = cfg.algorithm.rollout_n
-    batch, stats = workers.generate(prompts, n)
+    if ahead is None:  # the ranks sample with the weights they train (sync)
+        idx = stream.next_indices(k)
+        seen, version = stream.pos.samples_seen, step - 1
+        batch, stats = workers.generate([inputs.train_prompts[i] for i in idx], n)
+    else:  # the rollout worker's batch, queued earlier or sampled now (engine/trainer/rollout_ahead.py)
+        idx, seen, batch, one = ahead.take(k)
+        version, stats = one["version"], [one]
+        # what the step waited for it; "rollout" stays the sampling's own time (tokens/s)
+        timing["rollout_wait"] = timing.get("rollout_wait", 0.0) + time.perf_counter() - t
+        t = time.perf_counter() - one["time"]
+    examples = [inputs.task.train[i] for i in idx]
     gen_stats += stats
     timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t
 
     t = time.perf_counter()
     responses, ids = decode_responses(inputs.tokenizer, batch), response_token_ids(batch)
-    state = reward_state(cfg, stream.n, stream.pos.samples_seen, completed_steps=step - 1)
+    state = reward_state(cfg, stream.n, seen, completed_steps=step - 1)
     with oom_guard("reward", None, step):
         scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
     scores.append(scored)
     rewards = torch.tensor(scored.total, dtype=torch.float32)
     correct = scored.correct
     timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
-    return Rollout(batch, rewards, correct, examples)
+    return Rollout(batch, rewards, correct, examples, versions=[version] * len(batch))
 
 
 def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> float:
@@ -525,6 +564,9 @@ def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: 
            "optim.lr": c.optim.lr, "algorithm.kl_coef": c.algorithm.kl_coef,
            "algorithm.loss_agg_mode": c.algorithm.loss_agg_mode, "rollout.temperature": c.rollout.temperature,
            "rollout.max_new_tokens": c.rollout.max_new_tokens, "engine.pad_to_length": c.engine.pad_to_length}
+    if c.trainer.mode != "sync":
+        key["trainer.mode"] = c.trainer.mode + (f" (max_staleness={c.trainer.max_staleness})"
+                                                if c.trainer.mode == "async" else "")
     return RunPlan(engine=c.engine.name, model=c.model.path or c.model.preset, num_params=workers.info[0]["params"],
                    ranks=c.trainer.nprocs, dp_size=workers.dp_size, device=workers.info[0]["device"],
                    task=c.task.name, num_train=len(inputs.train_prompts), num_val=len(inputs.val_prompts),

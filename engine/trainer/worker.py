@@ -145,7 +145,8 @@ class RankWorker:
         self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
 
     def _make_sampler(self):
-        if self.cfg.rollout.name == "vllm":
+        if self.cfg.rollout.name == "vllm" and not self.run.versions_ahead:
+            # (sampling ahead: the rollout worker holds the vLLM engine; ranks only validate, with torch)
             from engine.rollout.vllm_sampler import VLLMSampler
 
             return VLLMSampler.from_engine(self.cfg, self.engine, self.model_path, self.vocab, self.device,
@@ -216,6 +217,13 @@ class RankWorker:
         self._weights_stale = False
         return seconds
 
+    def export_weights(self, keep: bool) -> dict | None:
+        """The policy's full weights with HF names (a collective on FSDP: every rank calls it);
+        only the rank that ``keep``s them returns them (the rollout worker's copy, trainer.mode)."""
+        with self.tracker.phase("weight_sync", self.step):
+            state = self.engine.export_hf_state_dict()
+        return state if keep else None
+
     def log_probs(self, batch: SequenceBatch, ref: bool = False) -> torch.Tensor:
         with self.tracker.phase("ref_log_probs" if ref else "old_log_probs", self.step):
             lp, _ = self.engine.compute_log_probs(batch, ref=ref)
@@ -227,13 +235,14 @@ class RankWorker:
             return self.engine.routing_report(batch)
 
     def train_step(self, batch: SequenceBatch) -> dict:
-        from engine.algorithms.policy_loss import PolicyLoss
+        from engine.algorithms.policy_loss import OffPolicy, PolicyLoss
 
         t0 = time.perf_counter()
         if self._max_threads:
             adapt_threads(self._max_threads)
         with self.tracker.phase("update", self.step):
-            stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size))
+            stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size, OffPolicy(
+                self.run.rollout_is, self.run.behavior_ratio, self.run.versions_ahead > 0)))
         self._weights_stale = not self.sampler.reads_live_model
         return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}

@@ -204,6 +204,16 @@ class WorkerGroup:
                            f"`rl resume {self.run_dir}` once the cluster has the ranks again.", title="rank lost")
         raise failure
 
+    def _collect_done(self, refs: list, what: str) -> None:
+        """Wait for one call per rank without pulling the results to the driver (the first
+        rank's result is big and goes elsewhere); the other ranks' failures surface as in _collect."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
+        self._collect(refs[1:], what)
+        if len(ready) < len(refs):
+            raise timeout_error(self.timeout, what)
+
     def _all(self, method: Callable, per_rank_args: list[tuple], what: str):
         """``method`` (a RankWorker method, e.g. ``RankWorker.train_step``: a reader follows it to the
         code that runs) called on every rank with its own arguments; results in rank order."""
@@ -236,6 +246,13 @@ class WorkerGroup:
         parts = [out[self.dp_leaders[d]][0] for d in range(self.dp_size) if len(shards[d])]
         stats = [o[1] for o in out]
         return SequenceBatch.concat(parts), stats
+
+    def export_weights(self):
+        """Rank 0's full policy weights (HF names) as a Ray object reference, every rank having
+        taken part in the gather; the driver never pulls them (the rollout worker does)."""
+        refs = [a.export_weights.remote(i == 0) for i, a in enumerate(self.actors)]
+        self._collect_done(refs, "the weight export")
+        return refs[0]
 
     def log_probs(self, batch: SequenceBatch, ref: bool) -> torch.Tensor:
         slices = shard_slices(len(batch), self.dp_size)

@@ -1,0 +1,137 @@
+"""Sampling ahead of the update (trainer.mode=one_step_off|async), driven from the trainer.
+
+Versions: the policy is version 0 before any update and version ``k`` after step ``k``'s update,
+so the synchronous trainer trains step ``k`` on samples of version ``k - 1``. A sample's
+*staleness* is how many versions older than that it is: ``(k - 1) - version``.
+
+The schedule, with ``ahead`` = 1 (one_step_off) or trainer.max_staleness (async):
+
+    step k:  take the batch queued for k (or sample it now when none is queued: step 1, and
+             dynamic sampling's extra rounds), then queue batches for steps k+1 .. k+ahead, which
+             the rollout worker samples while the ranks update; after the update, load version k
+             into the rollout worker (behind the batches already asked for).
+
+A batch queued at step k for step j was asked for after version k - 1 was loaded, so its staleness
+is at most j - k <= ahead; every batch records the version it was actually sampled with. With
+``ahead`` = 0 nothing is queued and the trainer never builds this (the sync path, exactly).
+
+Checkpoints: ``state_dict`` waits for the queued batches and returns them with the worker's
+sampling generator, so a resumed run trains on the same samples and continues the same stream
+(exact resume, as in sync mode)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.config.resolved import resolve_run, versions_ahead
+from engine.config.schema import RunConfig
+from engine.trainer.ray_cluster import get
+from engine.trainer.rollout_worker import RolloutWorker
+
+if TYPE_CHECKING:
+    from engine.batch import SequenceBatch
+    from engine.trainer.data import PromptStream
+    from engine.trainer.worker_group import WorkerGroup
+
+
+@dataclass
+class Draw:
+    """Prompts drawn from the stream and their batch, asked of the rollout worker."""
+
+    indices: list[int]      # prompt indices in the stream's order
+    samples_seen: int       # the stream's count once they were drawn (what reward functions see)
+    pending: object = None  # the worker's ObjectRef until taken
+    batch: SequenceBatch | None = None
+    stats: dict | None = None
+
+    def wait(self, timeout_s: float) -> "Draw":
+        if self.batch is None:
+            self.batch, self.stats = get(self.pending, timeout_s, "the rollout worker's rollout")
+            self.pending = None
+        return self
+
+
+class RolloutAhead:
+    def __init__(self, cfg: RunConfig, workers: WorkerGroup, stream: PromptStream, train_prompts: list[list[int]]):
+        import ray
+
+        from engine.threads import rank_env, usable_cpus
+
+        self.cfg, self.workers, self.stream, self.prompts = cfg, workers, stream, train_prompts
+        self.ahead = versions_ahead(cfg)
+        self.n = cfg.algorithm.rollout_n
+        self.timeout = cfg.trainer.ray_timeout_s
+        self.queue: list[Draw] = []
+        self.sync_s = 0.0  # the last weight load's export + hand-over, on the driver's clock
+        threads = max(1, usable_cpus() // (cfg.trainer.nprocs + 1))
+        gpus = 1 if workers.info and workers.info[0]["device"].startswith("cuda") else 0
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
+        self.actor = actor.options(runtime_env={"env_vars": rank_env(threads)}).remote(resolve_run(cfg), threads)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, model_path: str, vocab: dict, version: int) -> None:
+        """Build the worker's sampler from the ranks' current weights (policy ``version``)."""
+        weights = self.workers.export_weights()
+        device = "cuda" if self.workers.info[0]["device"].startswith("cuda") else "cpu"
+        get(self.actor.setup.remote(model_path, vocab, weights, version, device), self.timeout,
+            "the rollout worker to start")
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            get(self.actor.shutdown.remote(), 30, "the rollout worker to stop")
+        except Exception:
+            pass
+        ray.kill(self.actor)
+
+    # ---- the schedule ------------------------------------------------------------------------
+    def take(self, k: int) -> tuple[list[int], int, SequenceBatch, dict]:
+        """The next ``k`` prompts' batch: the one queued when it has ``k`` prompts, else sampled now.
+        Returns (prompt indices, samples seen once drawn, batch, stats with ``version``)."""
+        if self.queue and len(self.queue[0].indices) == k:
+            d = self.queue.pop(0)
+        else:
+            d = self._ask(k)
+        d.wait(self.timeout)
+        return d.indices, d.samples_seen, d.batch, d.stats
+
+    def queue_ahead(self) -> None:
+        """Ask for the batches of the next ``ahead`` steps (sampled while the ranks update)."""
+        while len(self.queue) < self.ahead:
+            self.queue.append(self._ask(self.cfg.data.train_batch_size))
+
+    def _ask(self, k: int) -> Draw:
+        idx = self.stream.next_indices(k)
+        prompts = [self.prompts[i] for i in idx]
+        return Draw(idx, self.stream.pos.samples_seen, self.actor.generate.remote(prompts, self.n))
+
+    def load_version(self, version: int) -> None:
+        """After an update: the ranks' weights to the worker, behind what it was already asked."""
+        t0 = time.perf_counter()
+        weights = self.workers.export_weights()
+        self.actor.load_weights.remote(weights, version)
+        self.sync_s = time.perf_counter() - t0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def queued_prompts(self) -> int:
+        return sum(len(d.indices) for d in self.queue)
+
+    def state_dict(self) -> dict:
+        """The queued batches (waited for) and the worker's sampling generator after them."""
+        rows = []
+        for d in self.queue:
+            d.wait(self.timeout)
+            rows.append({"indices": list(d.indices), "samples_seen": d.samples_seen, "stats": dict(d.stats),
+                         "batch": {name: getattr(d.batch, name) for name in d.batch.tensor_fields()}})
+        return {"queue": rows, "generator": get(self.actor.rng_state.remote(), self.timeout,
+                                                "the rollout worker's state")}
+
+    def load_state_dict(self, state: dict) -> None:
+        from engine.batch import SequenceBatch
+
+        self.queue = [Draw(r["indices"], r["samples_seen"], None, SequenceBatch(**r["batch"]), r["stats"])
+                      for r in state["queue"]]
+        get(self.actor.set_rng_state.remote(state["generator"]), self.timeout, "the rollout worker's state")

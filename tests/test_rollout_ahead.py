@@ -1,0 +1,233 @@
+"""Sampling ahead of the update (trainer.mode=one_step_off|async, docs/async.md).
+
+Fast tests check the off-policy correction against its formula (the truncated importance weight,
+token and sequence level, and the gradient it gives), the staleness record and how the modes
+resolve. Slow tests run the real `rl train` / `rl resume` (Ray, the rollout worker actor):
+staleness 0 is the synchronous trainer bit for bit; one_step_off trains every sample after the
+first step on weights exactly one version older, async on at most trainer.max_staleness older; and
+a one_step_off run resumed from a checkpoint continues exactly as the uninterrupted run (the
+checkpoint keeps the queued rollouts and the rollout worker's generator).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.algorithms.policy_loss import OffPolicy, PolicyLoss, rollout_is_weight
+from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record
+from engine.batch import SequenceBatch
+from engine.config.resolved import resolve_run, rollout_is_level, versions_ahead
+from engine.config.schema import RunConfig
+from tests.cli_utils import rl, rl_concurrently
+
+
+# ---- the correction, from its formula ----------------------------------------------------------
+def test_token_weight_is_the_truncated_ratio_of_old_to_rollout():
+    old = torch.tensor([[-1.0, -0.5, -2.0, 0.0]])
+    roll = torch.tensor([[-1.5, -0.5, -0.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = rollout_is_weight(old, roll, mask, "token", cap=1.5)
+    expected = [min(math.exp(0.5), 1.5), 1.0, math.exp(-1.9), 0.0]  # exp(0.5)=1.65 truncated; padding 0
+    assert torch.allclose(w, torch.tensor([expected]), atol=1e-6)
+
+
+def test_sequence_weight_is_the_product_over_the_response_truncated():
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    roll = torch.tensor([[-1.2, -1.3, -9.0], [-0.9, -0.95, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    w = rollout_is_weight(old, roll, mask, "sequence", cap=2.0)
+    assert torch.allclose(w[0, :2], torch.full((2,), math.exp(0.5)))  # exp(0.2) * exp(0.3), under the cap
+    w = rollout_is_weight(old, roll, mask, "sequence", cap=1.6)
+    assert torch.allclose(w[0, :2], torch.full((2,), 1.6))  # truncated
+    assert torch.allclose(w[1, :2], torch.full((2,), math.exp(-0.15)))  # product of its tokens' ratios
+    assert w[:, 2].abs().sum() == 0  # outside the response
+
+
+def _mb(rollout_lp):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    return SequenceBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         response_mask=torch.tensor([[0.0, 1.0, 1.0, 1.0]]), prompt_lengths=torch.tensor([1]),
+                         rollout_log_probs=rollout_lp, advantages=torch.tensor([[0.0, 1.0, -1.0, 2.0]]))
+
+
+def test_gradient_is_the_ppo_gradient_times_the_weight():
+    """With pi_old = pi_theta (one update per step), d loss / d log p_t = -A_t w_t / n_tokens on every
+    response token: the PPO gradient scaled by the truncated weight, which carries no gradient."""
+    cfg = RunConfig().algorithm
+    log_p = torch.tensor([[0.0, -1.0, -2.0, -0.5]], requires_grad=True)
+    roll = torch.tensor([[0.0, -1.4, -1.0, -0.5]])
+    loss, metrics = PolicyLoss(cfg, 1, OffPolicy("token"))(log_p, None, _mb(roll), n_tokens=3.0, n_seqs=1.0)
+    loss.backward()
+    w = [0.0, min(math.exp(0.4), cfg.rollout_is_cap), math.exp(-1.0), 1.0]
+    adv = [0.0, 1.0, -1.0, 2.0]
+    expected = torch.tensor([[-a * x / 3.0 for a, x in zip(adv, w)]])
+    assert torch.allclose(log_p.grad, expected, atol=1e-6)
+    ratios = [math.exp(0.4), math.exp(-1.0), 1.0]
+    assert metrics["rollout_ratio_mean"] == pytest.approx(sum(ratios) / 3, rel=1e-5)
+    assert metrics["rollout_ratio_max"] == pytest.approx(max(ratios), rel=1e-5)
+    assert metrics["rollout_ratio_min"] == pytest.approx(min(ratios), rel=1e-5)
+    spread = rollout_ratio_metrics(metrics)
+    var = sum(r * r for r in ratios) / 3 - (sum(ratios) / 3) ** 2
+    assert spread["rollout_ratio_std"] == pytest.approx(math.sqrt(var), rel=1e-4)
+
+
+def test_behavior_ratio_clips_against_the_sampler():
+    """off_policy_ratio=behavior: the ratio is pi_theta / pi_rollout, so a token whose probability already
+    rose past 1 + clip_ratio_high since it was sampled gets no more gradient for a positive advantage,
+    and one still inside the clip range gets -A * ratio / n_tokens."""
+    cfg = RunConfig().algorithm  # clip_ratio_high 0.28
+    log_p = torch.tensor([[0.0, -1.0, -2.0, -0.5]], requires_grad=True)
+    roll = torch.tensor([[0.0, -1.5, -2.1, -0.5]])  # token 1: ratio e^0.5 = 1.65 (past 1.28); token 2: e^0.1
+    mb = _mb(roll)
+    mb.advantages = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    loss, metrics = PolicyLoss(cfg, 1, OffPolicy(behavior_ratio=True, report=True))(log_p, None, mb, n_tokens=3.0,
+                                                                                     n_seqs=1.0)
+    loss.backward()
+    expected = torch.tensor([[0.0, 0.0, -math.exp(0.1) / 3, -1.0 / 3]])
+    assert torch.allclose(log_p.grad, expected, atol=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(1 / 3)
+    assert metrics["rollout_ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-5)
+
+
+def test_off_leaves_the_loss_as_it_was():
+    """rollout_is=off (the sync default): the loss and its gradient ignore the rollout's log-probs."""
+    cfg = RunConfig().algorithm
+    grads = []
+    for roll in (None, torch.tensor([[0.0, -3.0, -0.2, -0.1]])):
+        log_p = torch.tensor([[0.0, -1.0, -2.0, -0.5]], requires_grad=True)
+        loss, metrics = PolicyLoss(cfg, 1)(log_p, None, _mb(roll), n_tokens=3.0, n_seqs=1.0)
+        loss.backward()
+        grads.append(log_p.grad.clone())
+        assert not any(k.startswith("rollout_ratio") for k in metrics)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_staleness_record_counts_every_sample():
+    rec = staleness_record([3, 3, 2, 4], step=5)  # trained on version 4
+    assert rec["policy_version"] == 4
+    assert (rec["rows_0"], rec["rows_1"], rec["rows_2"]) == (1, 2, 1)
+    assert rec["max"] == 2 and rec["mean"] == pytest.approx(1.0) and rec["min_sample_version"] == 2
+
+
+@pytest.mark.parametrize("mode,staleness,ahead,level", [("sync", 3, 0, "off"), ("one_step_off", 3, 1, "off"),
+                                                        ("async", 3, 3, "off"), ("async", 0, 0, "off")])
+def test_modes_resolve(mode, staleness, ahead, level):
+    cfg = RunConfig()
+    cfg.trainer.mode, cfg.trainer.max_staleness = mode, staleness
+    assert versions_ahead(cfg) == ahead and rollout_is_level(cfg) == level
+    run = resolve_run(cfg)
+    assert (run.versions_ahead, run.rollout_is, run.behavior_ratio) == (ahead, level, ahead > 0)
+    cfg.algorithm.off_policy_ratio = "proximal"  # decoupled PPO: the truncated weight is on when sampling ahead
+    assert rollout_is_level(cfg) == ("token" if ahead else "off")
+
+
+def test_router_replay_ahead_is_refused():
+    r = rl("train", "trainer.mode=one_step_off", "algorithm.router_replay=record", "checkpoint.dir=/nonexistent/x")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "router_replay" in r.stderr and "Traceback" not in r.stdout + r.stderr
+
+
+# ---- slow: the real thing -------------------------------------------------------------------------
+TINY = ["trainer.total_steps=4", "data.train_batch_size=4", "algorithm.rollout_n=4", "task.num_train=16",
+        "trainer.threads_per_rank=1", "checkpoint.keep_last=0"]
+ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+TRAINED = ("reward_mean", "pg_loss", "grad_norm", "entropy", "clip_frac", "response_len_mean", "rollout_kl")
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def final_weights(run: Path, step: int) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run / f"flat-{step}.pt"
+    dcp_to_torch_save(str(run / f"step_{step}" / "state"), str(out))
+    sd = torch.load(out, weights_only=False)
+    out.unlink()
+    return {f"{top}.{k}": v for top, d in sd.items() for k, v in d.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Four 4-step runs of one config, two at a time: sync, async with max_staleness=0,
+    one_step_off (checkpoints at 2 and 4) and async with max_staleness=2."""
+    base = tmp_path_factory.mktemp("ahead")
+    modes = {"sync": ["trainer.mode=sync"], "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
+             "one_step_off": ["trainer.mode=one_step_off", "checkpoint.save_freq=2"],
+             "async2": ["trainer.mode=async", "trainer.max_staleness=2", "trainer.total_steps=5"]}
+    dirs = {name: base / name for name in modes}
+    names = list(modes)
+    for pair in (names[:2], names[2:]):
+        results = rl_concurrently(*[["train", *TINY, *modes[m], f"checkpoint.dir={dirs[m]}"] for m in pair],
+                                  timeout=900, env=ENV)
+        for m, r in zip(pair, results):
+            assert r.returncode == 0, f"{m}: {r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return dirs
+
+
+@pytest.mark.slow
+def test_staleness_zero_is_the_sync_trainer_bit_for_bit(runs):
+    a, b = rows(runs["sync"]), rows(runs["async0"])
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
+        assert x["algo"] == y["algo"] and y["staleness"] == {}
+    wa, wb = final_weights(runs["sync"], 4), final_weights(runs["async0"], 4)
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_one_step_off_trains_on_samples_exactly_one_version_old(runs):
+    r = rows(runs["one_step_off"])
+    assert [x["staleness"]["policy_version"] for x in r] == [0, 1, 2, 3]
+    assert r[0]["staleness"]["rows_0"] == 16 and r[0]["staleness"]["max"] == 0  # step 1: nothing to be ahead of
+    for x in r[1:]:
+        assert x["staleness"]["rows_1"] == 16 and x["staleness"]["max"] == 1, x["staleness"]
+        assert x["algo"]["rollout_ratio_std"] > 0  # the weights moved between sampling and training
+    # step 1's samples came from the weights being trained: the worker's copy computes what the ranks do
+    assert r[0]["algo"]["rollout_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert "rollout_wait" in r[1]["timing"]
+
+
+@pytest.mark.slow
+def test_async_staleness_never_exceeds_its_bound(runs):
+    st = [x["staleness"] for x in rows(runs["async2"])]
+    assert [s["max"] for s in st] == [0, 1, 2, 2, 2]  # the queue fills, then stays max_staleness ahead
+    assert all(s.get(f"rows_{s['max']}") == 16 for s in st)
+
+
+@pytest.mark.slow
+def test_one_step_off_resume_continues_exactly(runs, tmp_path):
+    """Stopped after step 2's checkpoint and resumed: steps 3-4 and the final state equal the
+    uninterrupted run's; the checkpoint held step 3's rollouts, sampled ahead at version 1."""
+    src = runs["one_step_off"]
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "step_4")
+    queue = torch.load(dst / "step_2" / "rollout_queue.pt", weights_only=True)
+    assert len(queue["queue"]) == 1 and queue["queue"][0]["stats"]["version"] == 1
+    r = rl("resume", str(dst), timeout=900, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = rows(src), rows(dst)
+    assert [x["step"] for x in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
+        assert x["staleness"] == y["staleness"]
+    wa, wb = final_weights(src, 4), final_weights(dst, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_mode_cannot_change_on_resume(runs, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(runs["one_step_off"], dst)
+    r = rl("resume", str(dst), "trainer.mode=sync", "trainer.total_steps=6", env=ENV)
+    assert r.returncode == 2 and "trainer.mode" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr
