@@ -210,8 +210,16 @@ def test_rl_train_vllm_learns_like_torch(vllm_importable, tmp_path):
     job and seed: reward of the last 10 steps at least double the first 10, and within 0.15 of
     the torch run's (sampling streams differ, so not equal)."""
     job = [*VLLM_TINY, "trainer.total_steps=30", "trainer.device=cpu", "checkpoint.save_final=false"]
-    torch_run, vllm_run = _rl_train((tmp_path / "torch", job),
-                                    (tmp_path / "vllm", [*job, "rollout=vllm", "rollout.verify_sync=true"]))
+    torch_run, vllm_run, ahead_run = _rl_train(
+        (tmp_path / "torch", job), (tmp_path / "vllm", [*job, "rollout=vllm", "rollout.verify_sync=true"]),
+        (tmp_path / "ahead", [*job, "rollout=vllm", "trainer.mode=one_step_off"]))
+    # trainer.mode=one_step_off: vLLM in the rollout worker samples step k+1 during step k's update
+    # (docs/async.md). It learns too; at step 1 (weights not yet updated) vLLM's log-probs equal the
+    # trainer's; from step 2 on, every sample is exactly one policy version old.
+    assert ahead_run["reward_last10"] >= 2 * ahead_run["reward_first10"], ahead_run
+    rows = [json.loads(x) for x in (tmp_path / "ahead" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert rows[0]["staleness"]["max"] == 0 and abs(rows[0]["algo"]["rollout_ratio_max"] - 1) < 1e-3, rows[0]
+    assert all(r["staleness"]["max"] == 1 and r["staleness"]["rows_1"] == 32 * 8 for r in rows[1:])
     print(f"torch {torch_run['reward_first10']:.3f} -> {torch_run['reward_last10']:.3f}; "
           f"vllm {vllm_run['reward_first10']:.3f} -> {vllm_run['reward_last10']:.3f}; "
           f"wall torch {torch_run['wall_time_s']:.0f}s vllm {vllm_run['wall_time_s']:.0f}s")
