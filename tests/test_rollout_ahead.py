@@ -133,6 +133,14 @@ def test_router_replay_ahead_is_refused():
     assert "router_replay" in r.stderr and "Traceback" not in r.stdout + r.stderr
 
 
+def test_a_weight_that_would_be_one_is_refused():
+    """rollout_is=token with the behaviour ratio under one_step_off: pi_old is then pi_rollout, the weight
+    is 1, and the user asked for a correction that cannot happen."""
+    r = rl("train", "trainer.mode=one_step_off", "algorithm.rollout_is=token", "checkpoint.dir=/nonexistent/x")
+    assert r.returncode == 2 and "off_policy_ratio=proximal" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 # ---- slow: the real thing -------------------------------------------------------------------------
 TINY = ["trainer.total_steps=4", "data.train_batch_size=4", "algorithm.rollout_n=4", "task.num_train=16",
         "trainer.threads_per_rank=1", "checkpoint.keep_last=0"]
