@@ -221,6 +221,8 @@ def test_one_step_off_resume_continues_exactly(runs, tmp_path):
     shutil.rmtree(dst / "step_4")
     queue = torch.load(dst / "step_2" / "rollout_queue.pt", weights_only=True)
     assert len(queue["queue"]) == 1 and queue["queue"][0]["stats"]["version"] == 1
+    shown = rl("inspect-ckpt", str(dst / "step_2"), env=ENV)
+    assert "4 prompts sampled, not yet trained (trainer.mode=one_step_off)" in shown.stdout, shown.stdout
     r = rl("resume", str(dst), timeout=900, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     a, b = rows(src), rows(dst)

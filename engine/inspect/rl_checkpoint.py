@@ -208,6 +208,10 @@ def inspect_rl_step(path: Path, *, display: Optional[str] = None, verify: bool =
             rep.info[k] = m[k]
         elif isinstance(trainer, dict) and k in trainer:
             rep.info[k] = trainer[k]
+    if isinstance(trainer, dict) and trainer.get("queued_prompts"):  # trainer.mode sampled ahead (rollout_queue.pt)
+        mode = ((m.get("config") or {}).get("trainer") or {}).get("mode", "?") if isinstance(m.get("config"), dict) \
+            else "?"
+        rep.info["rollouts_ahead"] = f"{trainer['queued_prompts']} prompts sampled, not yet trained (trainer.mode={mode})"
     if isinstance(m.get("model"), dict):
         rep.info["model"] = {k: v for k, v in m["model"].items() if k != "params"}
     if isinstance(m.get("optimizer"), dict):
