@@ -40,15 +40,17 @@ def job(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_rl_learns_to_stop(job, seed, tmp_path):
+@pytest.mark.parametrize("seed,mode", [(0, "sync"), (1, "sync"), (0, "one_step_off")])
+def test_rl_learns_to_stop(job, seed, mode, tmp_path):
+    """(one_step_off: every sample after step 1 one policy version old, docs/async.md; it must still learn)"""
     from bench.learning import rl_overrides
 
     work, job_dir = job
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlcli.main", "train",
            *rl_overrides(job_dir, work / "model", seed, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
-           "optim.lr=3e-3", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}"]
+           "optim.lr=3e-3", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}",
+           f"trainer.mode={mode}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
