@@ -87,7 +87,7 @@ class MegatronCritic(Critic):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from engine.backends.megatron.model import (arch_from_hf_config, build_gpt_model, check_parallel_layout,
-                                                    transformer_config)
+                                                    fusion_choices, transformer_config)
         from engine.backends.megatron.sharded_state import ShardedState
         from engine.model.build import build_hf_model
         from engine.model.source import critic_model_dir
@@ -105,7 +105,8 @@ class MegatronCritic(Critic):
                               "the same tokenizer), or use engine=fsdp.", title="unsupported model")
         self.tcfg = transformer_config(self.arch, dtype=e.dtype, tp=e.tp_size,
                                        sequence_parallel=bool(e.tcfg.sequence_parallel), on_gpu=on_gpu,
-                                       fp8=cfg.engine.fp8, recompute=cfg.engine.gradient_checkpointing)
+                                       fp8=cfg.engine.fp8, recompute=cfg.engine.gradient_checkpointing,
+                                       fusions=fusion_choices(on_gpu, e.use_te)[0])  # the policy's notes said why
         self.mappings = critic_mappings(self.arch)
         # the HF weights under the critic's checkpoint names; the value head starts at zero
         full = {"backbone." + k.removeprefix("model."): v.detach() for k, v in hf.named_parameters()

@@ -130,7 +130,7 @@ class MegatronEngine(TrainEngine):
         from engine.backends.megatron import cpu_shim
         from engine.backends.megatron.hf_convert import hf_to_megatron, param_mappings
         from engine.backends.megatron.model import (arch_from_hf_config, build_gpt_model, check_parallel_layout,
-                                                    te_available, transformer_config)
+                                                    fusion_choices, te_available, transformer_config)
         from engine.model.build import build_hf_model
 
         c = self.cfg
@@ -171,11 +171,14 @@ class MegatronEngine(TrainEngine):
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         self.dtype = getattr(torch, c.model.dtype)
         replay = self.arch.is_moe and c.algorithm.router_replay != "off"
+        fusions, fusion_notes = fusion_choices(on_gpu, self.use_te)
+        for note in fusion_notes:
+            self._note(note)
         self.tcfg = transformer_config(self.arch, dtype=self.dtype, tp=tp, sequence_parallel=sp, on_gpu=on_gpu,
                                        fp8=c.engine.fp8, recompute=c.engine.gradient_checkpointing, ep=ep,
                                        aux_loss_coef=float(getattr(c.engine, "moe_aux_loss_coef", 0.0)),
                                        z_loss_coef=float(getattr(c.engine, "moe_z_loss_coef", 0.0)),
-                                       routing_replay=replay)
+                                       routing_replay=replay, fusions=fusions)
         self.mappings = param_mappings(self.arch, ep_rank=self.ep_rank, ep_size=ep)
         hf_sd = {k: v.detach() for k, v in hf.named_parameters()}
         local = hf_to_megatron(hf_sd, self.arch, self.tp_rank, tp, ep_rank=self.ep_rank, ep_size=ep)

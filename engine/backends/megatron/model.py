@@ -170,10 +170,49 @@ def check_parallel_layout(arch: Arch, tp: int, ep: int = 1) -> None:
                           f"({arch.intermediate_size}).{sizes}", title="invalid parallel layout")
 
 
+# the compiled CUDA extensions megatron's local spec calls for a fused masked softmax (apex or
+# megatron's own fused kernels); Transformer-Engine's spec does not need them
+FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                         "scaled_softmax_cuda")
+
+
+def missing_fused_softmax_kernels() -> list[str]:
+    """The fused-softmax extensions that cannot be imported here (empty: megatron may fuse)."""
+    import importlib.util
+
+    missing = []
+    for name in FUSED_SOFTMAX_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def fusion_choices(on_gpu: bool, use_te: bool) -> tuple[dict, list[str]]:
+    """The TransformerConfig fusion switches for this device and layer spec, and a note for each
+    fusion turned off because its kernel is not importable (an issue-40 crash: megatron's local
+    spec on a GPU asked for ``scaled_masked_softmax_cuda`` at the first bf16 forward)."""
+    notes = []
+    softmax = on_gpu
+    if on_gpu and not use_te:
+        missing = missing_fused_softmax_kernels()
+        if missing:
+            softmax = False
+            notes.append(f"masked-softmax fusion off: megatron's local layer spec needs the compiled "
+                         f"{', '.join(missing)} extension(s), which are not importable here (build apex or megatron's "
+                         f"fused kernels, or install Transformer-Engine, to fuse it); attention runs unfused")
+    return {"bias_activation_fusion": on_gpu, "masked_softmax_fusion": softmax, "bias_dropout_fusion": on_gpu}, notes
+
+
 def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, sequence_parallel: bool = False,
                        on_gpu: bool = False, fp8: bool = False, recompute: bool = False, ep: int = 1,
-                       aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, routing_replay: bool = False):
-    """The megatron ``TransformerConfig`` for ``arch``. CPU: no fused kernels, CPU init."""
+                       aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, routing_replay: bool = False,
+                       fusions: dict | None = None):
+    """The megatron ``TransformerConfig`` for ``arch``. CPU: no fused kernels, CPU init. ``fusions``:
+    what ``fusion_choices`` decided (default: every fusion on a GPU, none on a CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -190,8 +229,9 @@ def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, 
         # initialisation must run; build_gpt_model keeps it from moving the global RNG
         perform_initialization=True, use_cpu_initialization=not on_gpu,
         attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
-        # fused kernels are CUDA-only; on a GPU let megatron pick them
-        bias_activation_fusion=on_gpu, masked_softmax_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+        # fused kernels are CUDA-only, and the masked softmax's needs a compiled extension (fusion_choices)
+        **(fusions if fusions is not None else {"bias_activation_fusion": on_gpu, "masked_softmax_fusion": on_gpu,
+                                                "bias_dropout_fusion": on_gpu}),
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cuda_graph_scope=[],   # the default "full" is deprecated and warns on every build
     )
