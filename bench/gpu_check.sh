@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a lent device (one H200, about 12 minutes in all).
+# The GPU checks, as one script for a lent device (one H200; the limits below add up to 6 minutes).
 # Run from anywhere:  bash bench/gpu_check.sh
 #   1. memory:   offload/onload on CUDA, TE FP8 workspaces before/after offload with and
 #                without clearing (bench/gpu_check_memory.sh)
@@ -9,7 +9,10 @@
 #                (bench/gpu_check_vllm.sh)
 #   4. activation offload: peak memory and step time with and without, long sequence
 #                (bench/gpu_check_activation_offload.sh)
-#   5. pytest:   the `gpu`-marked tests in tests/test_gpu.py other than the three scripts above
+#   5. train:    `rl train` on CUDA, `rl resume` bit-exactness (3 + resume = 6 straight, metrics and
+#                every DCP entry), PPO, LoRA, `--engine megatron` fp32 and bf16, trainer.mode=one_step_off;
+#                a summary table (bench/gpu_check_train.sh)
+#   6. pytest:   the `gpu`-marked tests in tests/test_gpu.py other than the scripts above
 #                (which that file also wraps, for `pytest -m gpu`)
 # Each part prints its own figures; exit codes per part: 0 passed, 2 skipped (a dependency is
 # missing, printed as MISSING), 1 failed. This script exits 1 if any part failed.
@@ -26,10 +29,13 @@ run() {  # name, seconds, script
   return 0
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-run memory 170 bench/gpu_check_memory.sh
-run megatron 200 bench/gpu_check_megatron.sh
-run vllm 180 bench/gpu_check_vllm.sh
-run activation_offload 150 bench/gpu_check_activation_offload.sh
-echo "=================== pytest -m gpu (limit 120 s) ==================="
-timeout 120 python3 -m pytest -q -m gpu -rs tests/test_gpu.py -k "not gpu_check_script" || status=1
+t_start=$(date +%s)
+run train 150 bench/gpu_check_train.sh
+run memory 45 bench/gpu_check_memory.sh
+run megatron 60 bench/gpu_check_megatron.sh
+run activation_offload 50 bench/gpu_check_activation_offload.sh
+run vllm 25 bench/gpu_check_vllm.sh
+echo "=================== pytest -m gpu (limit 30 s) ==================="
+timeout 30 python3 -m pytest -q -m gpu -rs tests/test_gpu.py -k "not gpu_check_script" || status=1
+echo "=================== gpu_check.sh: $(( $(date +%s) - t_start )) s in all, exit $status"
 exit $status

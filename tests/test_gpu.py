@@ -8,7 +8,10 @@ stand-ins where the real library needs CUDA (Transformer Engine); these use the 
 - megatron-core with the TE layer spec, bf16 and FP8 (bench/gpu_check_megatron.sh);
 - vLLM sleep/wake around an update (bench/gpu_check_vllm.sh);
 - activation offload: peak memory and step time with and without, bit-identical gradients
-  (bench/gpu_check_activation_offload.sh).
+  (bench/gpu_check_activation_offload.sh);
+- the commands on CUDA: `rl train`, `rl resume` bit-exact against a straight run (metrics and every
+  DCP entry), PPO, LoRA, `--engine megatron` fp32/bf16, trainer.mode=one_step_off
+  (bench/gpu_check_train.sh).
 The three scripts print figures and exit 0 (passed), 1 (a check failed) or 2 (a dependency is
 missing, printed as MISSING)."""
 
@@ -55,7 +58,8 @@ def test_cuda_param_and_optimizer_offload_frees_and_restores_exactly():
 
 @pytest.mark.parametrize("script,limit", [("bench/gpu_check_memory.sh", 200), ("bench/gpu_check_megatron.sh", 220),
                                           ("bench/gpu_check_vllm.sh", 200),
-                                          ("bench/gpu_check_activation_offload.sh", 150)])
+                                          ("bench/gpu_check_activation_offload.sh", 150),
+                                          ("bench/gpu_check_train.sh", 300)])
 def test_gpu_check_script(script, limit):
     r = subprocess.run(["bash", str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "GPU_CHECK_TIMEOUT": str(limit)}, timeout=limit + 30)

@@ -53,6 +53,13 @@ class Draw:
         return self
 
 
+def rollout_worker_gpus(workers: WorkerGroup, cluster_gpus: float) -> int:
+    """A GPU of its own for the rollout worker when the ranks run on GPUs and the cluster has one to
+    spare; else 0 (on GPUs: it shares the first rank's device, as a colocated sampler does)."""
+    on_gpu = bool(workers.info) and workers.info[0]["device"].startswith("cuda")
+    return 1 if on_gpu and cluster_gpus >= len(workers.info) + 1 else 0
+
+
 class RolloutAhead:
     def __init__(self, cfg: RunConfig, workers: WorkerGroup, stream: PromptStream, train_prompts: list[list[int]]):
         import ray
@@ -66,9 +73,12 @@ class RolloutAhead:
         self.queue: list[Draw] = []
         self.sync_s = 0.0  # the last weight load's export + hand-over, on the driver's clock
         threads = max(1, usable_cpus() // (cfg.trainer.nprocs + 1))
-        gpus = 1 if workers.info and workers.info[0]["device"].startswith("cuda") else 0
+        gpus, env = rollout_worker_gpus(workers, ray.cluster_resources().get("GPU", 0)), rank_env(threads)
+        if gpus == 0 and workers.info and workers.info[0]["device"].startswith("cuda"):
+            # no GPU left for it: share the ranks' (Ray would hide every GPU from an actor asking for none)
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
-        self.actor = actor.options(runtime_env={"env_vars": rank_env(threads)}).remote(resolve_run(cfg), threads)
+        self.actor = actor.options(runtime_env={"env_vars": env}).remote(resolve_run(cfg), threads)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, model_path: str, vocab: dict, version: int) -> None:

@@ -67,7 +67,8 @@ class RankWorker:
         self._max_threads = threads if t.threads_per_rank == 0 and t.adapt_threads else 0
         import torch
 
-        torch.use_deterministic_algorithms(False)
+        # RL_DETERMINISTIC=1 (a diagnosis aid: bench/gpu_check_train.sh): torch's deterministic kernels only
+        torch.use_deterministic_algorithms(os.environ.get("RL_DETERMINISTIC") == "1", warn_only=True)
         _preload(self.cfg)
 
     # ---- setup --------------------------------------------------------------------------
