@@ -118,6 +118,12 @@ class TorchSampler(Sampler):
         self.fast = fast
         self.last_kv_cache_bytes = 0
         self.last_lanes = 1
+        # tokens besides EOS that end a response and stay in it (a tool call's end marker,
+        # engine/agents/parsers.py); empty: EOS alone, as every single-turn run
+        self.stop_token_ids: tuple[int, ...] = ()
+
+    def _stops(self, dev) -> torch.Tensor:
+        return torch.tensor([self.eos, *self.stop_token_ids], device=dev)
 
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]], n: int, generator: torch.Generator,
@@ -237,6 +243,7 @@ class TorchSampler(Sampler):
         lengths = torch.full((b,), N, dtype=torch.long, device=dev)
         live = None  # original row of each current row; None while every row is live
         eos = torch.tensor([self.eos], device=dev)
+        stops = self._stops(dev)
         cache_bytes, taken = 0, 0
         for t in range(N):
             taken = t + 1
@@ -249,7 +256,7 @@ class TorchSampler(Sampler):
             if t + 1 == N:
                 break
             if not self.cfg.ignore_eos:
-                ended = tok == self.eos
+                ended = torch.isin(tok, stops)
                 if bool(ended.any()):  # finished rows leave the batch
                     rows_now = torch.arange(b, device=dev) if live is None else live
                     lengths[rows_now[ended]] = t + 1
@@ -331,7 +338,7 @@ class TorchSampler(Sampler):
             tok_lp = torch.where(done, torch.zeros_like(tok_lp), tok_lp)
             tokens[:, t] = tok
             logps[:, t] = tok_lp
-            ended = tok == self.eos
+            ended = torch.isin(tok, self._stops(dev))
             newly = ended & ~done
             lengths[newly] = t + 1
             done = done | ended
