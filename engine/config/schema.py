@@ -90,7 +90,7 @@ class DataConfig:
                                        "refusing them")
 
 
-BUILTIN_TASKS = ("echo", "add", "arith", "sort")  # generated prompts, scored by their own rule (engine/tasks)
+BUILTIN_TASKS = ("echo", "add", "arith", "sort", "tool_add")  # generated prompts, scored by their own rule (engine/tasks)
 DATASET_TASKS = ("dataset", "jsonl", "parquet")  # the user's data, one loader (engine/data)
 
 
@@ -151,6 +151,10 @@ class TaskConfig:
                                     "gets HTTP 429/5xx (exponential backoff); then reward_on_error applies",
                                  min=0, max=20)
     reward_url_batch_size: int = _f(64, "samples per request to task.reward_url", min=1)
+    tools: list = _f([], "tools the model may call (module:function, type hints and a docstring): multi-turn "
+                         "rollouts (docs/agents.md); empty = the task's own tools, if any")
+    environment: str = _f("", "module:Class, an engine.agents.environment.Environment subclass driving "
+                              "multi-turn rollouts (docs/agents.md); empty = none")
     prompt_key: str = _f("prompt", "column holding the prompt (text, or a list of {role, content} messages)")
     answer_key: str = _f("answer", "column holding the reference answer (verl rows: reward_model.ground_truth)")
     num_train: int = _f(512, "built-in tasks: number of training prompts generated", min=1, max=1_000_000)
@@ -276,6 +280,13 @@ class RolloutConfig:
                                        only_for={"rollout": ("vllm",)})
     verify_sync: bool = _f(False, "vllm: after each weight sync, check vLLM log-probs equal the trainer's",
                            only_for={"rollout": ("vllm",)})
+    max_turns: int = _f(4, "multi-turn (task.tools or task.environment): model turns per trajectory at most",
+                        min=1)
+    max_trajectory_tokens: int = _f(0, "multi-turn: tokens after the prompt per trajectory at most (model and "
+                                       "tool tokens); 0 = no limit beyond max_turns x max_new_tokens", min=0)
+    tool_parser: str = _f("auto", "multi-turn: the tool-call format read from the model's output; auto = hermes "
+                                  "for a chat template with <tool_call>, compact for the built-in tokenizer",
+                          choices=["auto", "hermes", "compact"])
 
 
 @dataclass

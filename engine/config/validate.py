@@ -397,6 +397,16 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 f"supported yet: the routers' record/replay hooks switch per forward, which a compiled graph "
                 f"would not follow. Set engine.compile=false, or algorithm.router_replay=off.",
                 title="invalid config")
+    if cfg.task.tools or cfg.task.environment or cfg.task.name == "tool_add":  # multi-turn (engine/agents)
+        what = "task.tools" if cfg.task.tools else "task.environment" if cfg.task.environment else "task=tool_add"
+        if cfg.trainer.mode != "sync":
+            raise ConfigError(f"`{what}` (multi-turn rollouts) with `trainer.mode={cfg.trainer.mode}` is not "
+                              f"supported yet: the rollout worker that samples ahead runs single turns. Use "
+                              f"trainer.mode=sync.", title="invalid config")
+        if cfg.algorithm.router_replay != "off":
+            raise ConfigError(f"`{what}` (multi-turn rollouts) with `algorithm.router_replay="
+                              f"{cfg.algorithm.router_replay}` is not supported: tool tokens have no routing "
+                              f"record. Set algorithm.router_replay=off.", title="invalid config")
     if cfg.trainer.mode != "sync":
         from engine.config.async_rules import check_rollout_ahead
 

@@ -150,6 +150,7 @@ class VLLMSampler(Sampler):
 
         self.cfg, self.rcfg = cfg, cfg.rollout
         self.pad, self.eos = pad_token_id, eos_token_id
+        self.stop_token_ids: tuple[int, ...] = ()  # tokens besides EOS that end a response (kept in it)
         self.device = device
         self.rank = rank
         self.on_cuda = device.type == "cuda"
@@ -182,7 +183,9 @@ class VLLMSampler(Sampler):
         rank). ``vocab``: {"size", "pad", "eos"} as the worker gets it."""
         hf_config = hf_config_for(cfg, model_path, vocab)
         rows = math.ceil(cfg.data.train_batch_size / max(1, dp_size)) * cfg.algorithm.rollout_n
-        return cls(cfg, hf_config, engine.export_hf_state_dict(), vocab["pad"], vocab["eos"], device, rank, rows)
+        sampler = cls(cfg, hf_config, engine.export_hf_state_dict(), vocab["pad"], vocab["eos"], device, rank, rows)
+        sampler.stop_token_ids = tuple(vocab.get("stops", ()))  # a tool call's end (engine/agents)
+        return sampler
 
     # ---- engine lifecycle -----------------------------------------------------------------
     def _start(self, hf_config, rows: int):
@@ -231,7 +234,8 @@ class VLLMSampler(Sampler):
         # vLLM gives sample j of a prompt seed + j
         base = int(torch.randint(0, 2**30, (1,), generator=generator))
         params = [SamplingParams(n=n, temperature=temp, top_p=top_p, max_tokens=self.rcfg.max_new_tokens,
-                                 logprobs=0, stop_token_ids=[self.eos], seed=base + i * n, detokenize=False,
+                                 logprobs=0, stop_token_ids=[self.eos, *self.stop_token_ids], seed=base + i * n,
+                                 detokenize=False,
                                  min_tokens=self.rcfg.max_new_tokens if self.rcfg.ignore_eos else 0)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)

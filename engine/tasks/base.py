@@ -27,3 +27,5 @@ class Task:
     reward_specs: list = field(default_factory=list)
     # how the data was read (dataset tasks): format, source, fingerprint, dropped rows ...
     data_info: dict = field(default_factory=dict)
+    # tools the model may call (multi-turn, engine/agents): plain functions; task.tools overrides
+    tools: list = field(default_factory=list)

@@ -19,5 +19,8 @@ def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "sort":
         from engine.tasks.sort_digits import make_sort_task
         return make_sort_task(cfg, seed)
+    if cfg.name == "tool_add":
+        from engine.tasks.tool_add import make_tool_add_task
+        return make_tool_add_task(cfg, seed)
     from engine.tasks.dataset import make_dataset_task
     return make_dataset_task(cfg, seed)

@@ -18,6 +18,7 @@ class RunInputs:
     model_path: str
     vocab: dict      # {"size", "pad", "eos"}
     rewards: object = None  # engine.rewards.compute.RewardRunner (close() it when the run ends)
+    agent: object = None    # engine.agents.setup.AgentSetup: multi-turn rollouts (None: single-turn)
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
@@ -114,6 +115,16 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
            for split, examples in (("train", task.train), ("held-out", task.val))}
     task.train, task.val = enc["train"].examples, enc["held-out"].examples
     train, val = enc["train"].ids, enc["held-out"].ids
+    from engine.agents.setup import agent_setup
+
+    agent = agent_setup(cfg, tok, task.tools)
+    if agent is not None and agent.schemas and hasattr(agent.renderer, "tok"):  # the template shows the tools
+        from engine.agents.render import ChatRenderer
+
+        if isinstance(agent.renderer, ChatRenderer):
+            as_messages = lambda p: p if isinstance(p, list) else [{"role": "user", "content": p}]  # noqa: E731
+            train = [agent.renderer.prompt(as_messages(e.prompt)) for e in task.train]
+            val = [agent.renderer.prompt(as_messages(e.prompt)) for e in task.val]
     if not train:
         raise ConfigError(f"All {len(enc['train'].dropped)} training prompts are longer than data.max_prompt_length="
                           f"{cfg.data.max_prompt_length} tokens and were dropped. Raise data.max_prompt_length.",
@@ -134,11 +145,12 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                               f"prompts, lower rollout.max_new_tokens, or drop the long ones with "
                               f"data.max_prompt_length={keep} data.filter_overlong_prompts=true.",
                               title="prompt too long")
-    vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id}
+    vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id,
+             "stops": agent.stop_ids if agent is not None else []}
     check_model_fits_run(cfg, model_path, vocab)
     from engine.reward_model.actor import ActorRewardModel
     from engine.reward_model.build import scorers_for
     from engine.rewards.compute import make_runner
 
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok, make_actor=ActorRewardModel))
-    return RunInputs(task, tok, train, val, model_path, vocab, runner)
+    return RunInputs(task, tok, train, val, model_path, vocab, runner, agent)

@@ -323,6 +323,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     if "rows_skipped" in totals:  # rows the update left out: zero advantage, no gradient (engine/backends/zero_advantage.py)
         algo["update_rows_skipped_frac"] = totals["rows_skipped"] / (cfg.algorithm.ppo_epochs * len(batch))
     algo.update(routing)
+    if "agent" in batch.extras:  # multi-turn: turns, tool calls and errors, why trajectories ended
+        algo.update({f"agent_{k}": v for k, v in batch.extras["agent"]["metrics"].items()})
     if sampling is not None:
         algo.update({f"dynamic_sampling_{k}": v for k, v in asdict(sampling).items()} | {"batch_rows": len(batch)})
     lengths = batch.response_mask.sum(-1)
@@ -369,7 +371,7 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     if ahead is None:  # the ranks sample with the weights they train (sync)
         idx = stream.next_indices(k)
         seen, version = stream.pos.samples_seen, step - 1
-        batch, stats = workers.generate([inputs.train_prompts[i] for i in idx], n)
+        batch, stats = generate_turns(inputs, workers, [inputs.train_prompts[i] for i in idx], n, idx=idx)
     else:  # the rollout worker's batch, queued earlier or sampled now (engine/trainer/rollout_ahead.py)
         idx, seen, batch, one = ahead.take(k)
         version, stats = one["version"], [one]
@@ -382,14 +384,52 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
 
     t = time.perf_counter()
     responses, ids = decode_responses(inputs.tokenizer, batch), response_token_ids(batch)
+    agent = batch.extras.get("agent")
+    if agent is not None:  # multi-turn: the task scores the model's last turn
+        responses = agent["responses"]
     state = reward_state(cfg, stream.n, seen, completed_steps=step - 1)
     with oom_guard("reward", None, step):
         scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
     scores.append(scored)
     rewards = torch.tensor(scored.total, dtype=torch.float32)
+    if agent is not None:  # an environment's own rewards join the task's
+        rewards += torch.tensor([r or 0.0 for r in agent["env_rewards"]], dtype=torch.float32)
     correct = scored.correct
     timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
     return Rollout(batch, rewards, correct, examples, versions=[version] * len(batch))
+
+
+def generate_turns(inputs: RunInputs, workers, prompts: list[list[int]], n: int, greedy: bool = False, idx=None):
+    """``workers.generate``, or with tools/an environment the multi-turn loop over it
+    (engine/agents/loop.py); the batch's ``extras["agent"]`` then holds the conversations,
+    the last turns (what the reward scores), the environment's rewards and the loop's metrics."""
+    if inputs.agent is None:
+        return workers.generate(prompts, n, greedy=greedy)
+    stats: list = []
+
+    def gen(p, k):
+        b, s = workers.generate(p, k, greedy=greedy)
+        stats.append(s)
+        return b
+
+    examples = inputs.task.val if idx is None else [inputs.task.train[i] for i in idx]
+    out = inputs.agent.run(gen, prompts, examples, n, inputs.tokenizer)
+    out.batch.extras["agent"] = {"responses": out.responses(), "env_rewards": out.env_rewards(),
+                                 "metrics": out.metrics(),
+                                 "conversations": [t.messages for t in out.trajectories]}
+    return out.batch, _merge_gen_stats(stats)
+
+
+def _merge_gen_stats(calls: list[list[dict]]) -> list[dict]:
+    """One record per rank over the loop's several generate calls (each a list, one per rank):
+    times added, peaks kept."""
+    merged = [dict(s) for s in calls[0]]
+    for call in calls[1:]:
+        for acc, s in zip(merged, call):
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and isinstance(acc.get(k), (int, float)):
+                    acc[k] = acc[k] + v if k == "time" else max(acc[k], v)
+    return merged
 
 
 def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> float:
@@ -461,9 +501,14 @@ def sample_rows(cfg: RunConfig, inputs: RunInputs, ro, step: int) -> list[dict]:
     seq_adv = ((batch.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
     rows = pick_rows(step, cfg.trainer.sample_log_n, [e.prompt for e in ro.examples], list(range(len(batch))),
                      ro.rewards.tolist(), seq_adv, [e.answer for e in ro.examples], n)
-    texts = decode_responses(inputs.tokenizer, batch.select([r["response"] for r in rows]))
-    for r, text in zip(rows, texts):
+    picked = [r["response"] for r in rows]
+    texts = decode_responses(inputs.tokenizer, batch.select(picked))
+    agent = batch.extras.get("agent")
+    for r, i, text in zip(rows, picked, texts):
         r["response"] = text
+        if agent is not None:  # the whole conversation after the prompt
+            r["response"] = agent["responses"][i]
+            r["conversation"] = agent["conversations"][i]
     return rows
 
 
@@ -472,8 +517,10 @@ def validate(cfg: RunConfig, inputs: RunInputs, workers, step: int) -> Validatio
     if not inputs.val_prompts:
         return Validation(step, None, 0.0)
     workers.onload(step)
-    batch, _ = workers.generate(inputs.val_prompts, 1, greedy=True)
+    batch, _ = generate_turns(inputs, workers, inputs.val_prompts, 1, greedy=True)
     responses = decode_responses(inputs.tokenizer, batch)
+    if "agent" in batch.extras:  # multi-turn: the model's last turn is the answer
+        responses = batch.extras["agent"]["responses"]
     state = replace(reward_state(cfg, len(inputs.train_prompts), 0, completed_steps=step),  # after step's update
                     epoch=inputs.rewards.state.epoch)
     scored = inputs.rewards.score(samples_of(inputs.task.val, responses, 1, response_token_ids(batch)), state)

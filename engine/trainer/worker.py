@@ -154,8 +154,10 @@ class RankWorker:
                                            self.rank, self.dp_size)
         from engine.rollout.torch_sampler import TorchSampler
 
-        return TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device,
-                            record_routing=self.cfg.algorithm.router_replay != "off")
+        sampler = TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device,
+                               record_routing=self.cfg.algorithm.router_replay != "off")
+        sampler.stop_token_ids = tuple(self.vocab.get("stops", ()))  # a tool call's end (engine/agents)
+        return sampler
 
     def _make_critic(self):
         from engine.backends.registry import critic_class

@@ -1,0 +1,66 @@
+"""Built-in task ``tool_add``: adding two 3-digit numbers, with a calculator the model may call.
+
+Prompt ``'123+456='`` -> answer ``'579'``. A tiny model learns to add numbers below 50 from
+scratch (task=add), but 3-digit sums with carries are much harder to learn by RL in a CPU run;
+the calculator makes the task a copy: the model writes the expression and ``]`` (the built-in
+tokenizer's compact tool-call format, engine/agents/parsers.py), the tool's result is appended,
+and the model copies it as its final turn.
+
+Scoring (``tool_add_reward``) looks at the model's *last turn* only (tool output is never
+credited by itself): 1.0 for the exact sum, else 0.5 x the fraction of digits right by
+position (partial credit, as task=add). The no-tool twin is the same task with
+``rollout.max_turns=1``: a call then ends the trajectory and scores nothing, so the model must
+add by itself.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from engine.config.schema import TaskConfig
+from engine.data.example import Example
+from engine.tasks.base import Task
+
+
+def calculator(expr: str) -> str:
+    """Adds two whole numbers.
+
+    Args:
+        expr: two whole numbers joined by '+', like 123+456
+    """
+    a, _, b = expr.partition("+")
+    if not (a.isdigit() and b.isdigit()):
+        raise ValueError("want a+b")
+    return str(int(a) + int(b))
+
+
+def tool_add_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 for the exact sum; otherwise 0.5 x the fraction of digits right by position."""
+    resp = response.strip()
+    if resp == answer:
+        return 1.0
+    hits = sum(1 for a, b in zip(resp, answer) if a == b)
+    return 0.5 * hits / max(len(answer), len(resp), 1)
+
+
+def tool_add_correct(prompt: str, response: str, answer: str) -> bool:
+    return response.strip() == answer
+
+
+def make_tool_add_task(cfg: TaskConfig, seed: int) -> Task:
+    rng = random.Random(seed)
+
+    def sample() -> Example:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        return Example(prompt=f"{a}+{b}=", answer=str(a + b))
+
+    val = [sample() for _ in range(cfg.num_val)]
+    held = {e.prompt for e in val}
+    train = []
+    while len(train) < cfg.num_train:
+        e = sample()
+        if e.prompt not in held:
+            train.append(e)
+    return Task("tool_add", train, val, tool_add_reward, correct=tool_add_correct,
+                alphabet=string.digits + "+=]", tools=[calculator])
