@@ -21,6 +21,16 @@ class AgentSetup:
     max_turns: int = 1
     max_tokens: int = 0
 
+    def encode_prompts(self, examples: list, ids: list[list[int]]) -> list[list[int]]:
+        """With a chat template and tools, the prompts rendered with the tools' schemas (the template
+        shows them to the model); otherwise ``ids`` as they are."""
+        from engine.agents.render import ChatRenderer
+
+        if not (self.schemas and isinstance(self.renderer, ChatRenderer)):
+            return ids
+        return [self.renderer.prompt(e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}])
+                for e in examples]
+
     def run(self, generate, prompts, rows, n, tokenizer):
         from engine.agents.loop import run_episodes
 
@@ -28,15 +38,15 @@ class AgentSetup:
                             max_turns=self.max_turns, max_tokens=self.max_tokens, pad_token_id=tokenizer.pad_token_id)
 
 
-def agent_setup(cfg, tokenizer, task_tools: list | None = None) -> AgentSetup | None:
-    """None for a single-turn run (no tools, no environment). ``task_tools``: functions a built-in
-    task brings (used when task.tools is not set)."""
+def agent_setup(cfg, tokenizer, task_tools: list | None = None, task_env: str = "") -> AgentSetup | None:
+    """None for a single-turn run (no tools, no environment). ``task_tools``, ``task_env``: the
+    tools and environment a built-in task brings (used when task.tools / task.environment are not set)."""
     from engine.agents.environment import ToolEnvironment
     from engine.agents.parsers import make_parser
     from engine.agents.render import make_renderer
     from engine.agents.tools import load_tool, tool_schema
 
-    specs, env_spec = list(cfg.task.tools), cfg.task.environment
+    specs, env_spec = list(cfg.task.tools), cfg.task.environment or (task_env if not cfg.task.tools else "")
     fns = [load_tool(s) for s in specs] if specs else list(task_tools or [])
     if not fns and not env_spec:
         return None

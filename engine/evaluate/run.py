@@ -58,6 +58,11 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     if not prompts:
         raise ConfigError(f"Every {e.split} prompt is longer than data.max_prompt_length={cfg.data.max_prompt_length} "
                           f"tokens and was dropped. Raise data.max_prompt_length.", title="prompt too long")
+    from engine.agents.setup import agent_setup
+
+    agent = agent_setup(cfg, tok, task.tools, task.environment)  # multi-turn with tools: the loop rl train runs
+    if agent is not None:
+        prompts = agent.encode_prompts(examples, prompts)
     _check_fits(src.model_dir, tok, prompts, cfg.rollout.max_new_tokens)
     from engine.reward_model.build import scorers_for
 
@@ -65,7 +70,7 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     k_list = sorted(set(e.k)) if e.k else default_ks(e.n)
     sampler_cfg = replace(cfg.rollout, temperature=e.temperature, top_p=e.top_p, ignore_eos=False)
     cfg = replace(cfg, rollout=sampler_cfg)
-    generate, device, close = _sampler(cfg, src.model_dir, tok, len(prompts) * max(e.n, 1), say)
+    generate, device, close = _sampler(cfg, src.model_dir, tok, len(prompts) * max(e.n, 1), say, agent, examples)
     rows: list[dict] = []
     failures = 0
     has_check = False  # the task's functions say what is correct (else: reward >= eval.pass_threshold)
@@ -124,8 +129,10 @@ def _check_fits(model_dir: str, tok, prompts: list[list[int]], max_new_tokens: i
                           title="prompt too long")
 
 
-def _sampler(cfg, model_dir: str, tok, rows: int, say):
-    """(generate(prompts, n, greedy) -> (decoded responses, their token ids), device, close)."""
+def _sampler(cfg, model_dir: str, tok, rows: int, say, agent=None, examples=None):
+    """(generate(prompts, n, greedy) -> (decoded responses, their token ids), device, close).
+    With ``agent`` (engine/agents/setup.py): the multi-turn loop, the responses the model's last
+    turns (what the reward scores), the ids every model token of the trajectory."""
     import torch
 
     from engine.device import cuda_available, resolve_device
@@ -154,7 +161,16 @@ def _sampler(cfg, model_dir: str, tok, rows: int, say):
 
         sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, device)
 
+    if agent is not None:
+        sampler.stop_token_ids = tuple(agent.stop_ids)
+
     def generate(prompts: list[list[int]], n: int, greedy: bool) -> tuple[list[str], list[list[int]]]:
+        if agent is not None:
+            out = agent.run(lambda p, k: sampler.generate(model, p, k, generator, greedy=greedy), prompts, examples,
+                            n, tok)
+            batch = out.batch
+            ids = [batch.input_ids[i][batch.response_mask[i] > 0].tolist() for i in range(len(batch))]
+            return out.responses(), ids
         batch = sampler.generate(model, prompts, n, generator, greedy=greedy)
         ids = [batch.input_ids[i][batch.response_mask[i] > 0].tolist() for i in range(len(batch))]
         return [tok.decode(x) for x in ids], ids

@@ -117,18 +117,9 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     train, val = enc["train"].ids, enc["held-out"].ids
     from engine.agents.setup import agent_setup
 
-    agent = agent_setup(cfg, tok, task.tools)
-    if agent is not None and agent.schemas and hasattr(agent.renderer, "tok"):  # the template shows the tools
-        from engine.agents.render import ChatRenderer
-
-        if isinstance(agent.renderer, ChatRenderer):
-            as_messages = lambda p: p if isinstance(p, list) else [{"role": "user", "content": p}]  # noqa: E731
-            train = [agent.renderer.prompt(as_messages(e.prompt)) for e in task.train]
-            val = [agent.renderer.prompt(as_messages(e.prompt)) for e in task.val]
-    if not train:
-        raise ConfigError(f"All {len(enc['train'].dropped)} training prompts are longer than data.max_prompt_length="
-                          f"{cfg.data.max_prompt_length} tokens and were dropped. Raise data.max_prompt_length.",
-                          title="prompt too long")
+    agent = agent_setup(cfg, tok, task.tools, task.environment)
+    if agent is not None:  # a chat template shows the model the tools' schemas
+        train, val = agent.encode_prompts(task.train, train), agent.encode_prompts(task.val, val)
     task.data_info["dropped_overlong"] = {k: len(v.dropped) for k, v in enc.items()}
     limit, limit_key = cfg.model.max_position_embeddings, "model.max_position_embeddings"
     if model_path:
