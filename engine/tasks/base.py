@@ -29,3 +29,5 @@ class Task:
     data_info: dict = field(default_factory=dict)
     # tools the model may call (multi-turn, engine/agents): plain functions; task.tools overrides
     tools: list = field(default_factory=list)
+    # module:Class of the task's own environment (engine/agents/environment.py); task.environment overrides
+    environment: str = ""

@@ -16,6 +16,7 @@ add by itself.
 from __future__ import annotations
 
 import random
+import re
 import string
 
 from engine.config.schema import TaskConfig
@@ -24,15 +25,15 @@ from engine.tasks.base import Task
 
 
 def calculator(expr: str) -> str:
-    """Adds two whole numbers.
+    """Adds whole numbers.
 
     Args:
-        expr: two whole numbers joined by '+', like 123+456
+        expr: whole numbers joined by '+', like 123+456
     """
-    a, _, b = expr.partition("+")
-    if not (a.isdigit() and b.isdigit()):
-        raise ValueError("want a+b")
-    return str(int(a) + int(b))
+    numbers = re.findall(r"\d+", expr)
+    if not numbers:
+        raise ValueError("no number")
+    return str(sum(int(x) for x in numbers))
 
 
 def tool_add_reward(prompt: str, response: str, answer: str) -> float:
@@ -63,4 +64,5 @@ def make_tool_add_task(cfg: TaskConfig, seed: int) -> Task:
         if e.prompt not in held:
             train.append(e)
     return Task("tool_add", train, val, tool_add_reward, correct=tool_add_correct,
-                alphabet=string.digits + "+=]", tools=[calculator])
+                alphabet=string.digits + "+=]", tools=[calculator],
+                environment="engine.agents.calculator_env:CalculatorEnvironment")
