@@ -145,3 +145,57 @@ def test_multi_turn_log_probs_equal_the_engine_and_tool_tokens_are_masked(overri
     interior = [(mask[i, int(batch.prompt_lengths[i]):int(batch.attention_mask[i].sum())] == 0).any()
                 for i in range(len(batch))]
     assert any(interior)
+
+
+# a Qwen2.5-style ChatML template with tools (Hermes calls), as the Qwen2.5 instruct models ship it, trimmed
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer():
+    from engine.model.presets import resolve_model_path
+    from engine.config.schema import ModelConfig
+
+    try:
+        path = resolve_model_path(ModelConfig(preset="smollm2-135m"))
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no SmolLM2 tokenizer here ({e})")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = HERMES_TEMPLATE
+    return tok
+
+
+def test_chat_delta_continues_the_context_exactly_as_the_template_renders_the_conversation(hermes_tokenizer):
+    """prompt tokens + the model's turn (as sampled, ending at EOS) + the renderer's delta for two
+    tool messages == the template's own tokens of the whole conversation (with the next
+    generation prompt): nothing re-tokenized, nothing missing (the newline after <|im_end|>)."""
+    from engine.agents.render import ChatRenderer, make_renderer
+
+    tok = hermes_tokenizer
+    schemas = [tool_schema(add)]
+    assert make_parser("auto", tok).name == "hermes"
+    r = make_renderer(tok, schemas)
+    assert isinstance(r, ChatRenderer)
+    user = [{"role": "user", "content": "What is 12+30 and 7+5?"}]
+    call = ('<tool_call>{"name": "add", "arguments": {"expr": "12+30"}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"expr": "7+5"}}</tool_call>')
+    tools = [{"role": "tool", "name": "add", "content": "42"}, {"role": "tool", "name": "add", "content": "12"}]
+    prompt = r.prompt(user)
+    turn = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]  # what the sampler returns
+    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": call}] + tools, tools=schemas,
+                                    tokenize=False, add_generation_prompt=True)
+    assert prompt + turn + r.delta(tools) == tok.encode(whole, add_special_tokens=False)
+    env = ToolEnvironment({"add": add}, make_parser("auto", tok))
+    step = env.step(user + [{"role": "assistant", "content": call}])
+    assert [m["content"] for m in step.messages] == ["42", "12"] and not step.done
