@@ -29,6 +29,11 @@ def test_rl_train_with_a_tool_reports_turns_and_keeps_conversations(tmp_path):
     assert samples and all(s["conversation"][-1]["role"] == "assistant" for s in samples)
     # the response scored is the model's last turn
     assert all(s["response"] == s["conversation"][-1]["content"] for s in samples)
+    # rl eval runs the same loop on the checkpoint (rollout.max_turns is read by eval)
+    r = cli("eval", str(d), "task=tool_add", "rollout.max_turns=2", "rollout.max_new_tokens=8",
+            "eval.max_prompts=4", "--json")
+    assert r.exit_code == 0, r.output[-3000:]
+    assert json.loads(r.stdout)["prompts"] == 4
 
 
 def test_a_tool_call_end_outside_the_vocabulary_is_refused(tmp_path):

@@ -19,7 +19,8 @@ from engine.errors import ConfigError
 # what an evaluation reads besides eval.* and task.*
 READ_KEYS = ("data.max_prompt_length", "data.filter_overlong_prompts", "rollout.name", "rollout.max_new_tokens",
              "rollout.micro_batch_size", "rollout.decode_lanes", "rollout.gpu_memory_utilization", "model.dtype",
-             "trainer.seed", "trainer.device")
+             "trainer.seed", "trainer.device", "rollout.max_turns", "rollout.max_trajectory_tokens",
+             "rollout.tool_parser")
 READ_PREFIXES = ("eval.", "task.")
 READ_GROUPS = ("task", "rollout")
 
