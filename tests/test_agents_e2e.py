@@ -31,7 +31,7 @@ def test_rl_train_with_a_tool_reports_turns_and_keeps_conversations(tmp_path):
     assert all(s["response"] == s["conversation"][-1]["content"] for s in samples)
     # rl eval runs the same loop on the checkpoint (rollout.max_turns is read by eval)
     r = cli("eval", str(d), "task=tool_add", "rollout.max_turns=2", "rollout.max_new_tokens=8",
-            "eval.max_prompts=4", "--json")
+            "eval.max_prompts=4", f"eval.output={tmp_path / 'eval.jsonl'}", "--json")
     assert r.exit_code == 0, r.output[-3000:]
     assert json.loads(r.stdout)["prompts"] == 4
 
