@@ -1,13 +1,16 @@
 """Which Ray a run uses when another Ray cluster runs on the machine (issue 19, finding 7).
 
-A real `ray start --head` on 127.0.0.1 is started for the module, with its own RAY_TMPDIR so
-that its /tmp/ray/ray_current_cluster record (the file that made every later `rl train` try
-to join it) is private to these tests; the `rl train` subprocesses get the same RAY_TMPDIR.
-Teardown ends exactly that cluster's processes (not `ray stop`, which would end every Ray
-on the machine)."""
+The cluster is a real `ray start --head` on 127.0.0.1 with its own RAY_TMPDIR, so that its
+/tmp/ray/ray_current_cluster record (the file that made every later `rl train` try to join
+it) is private to these tests; the `rl train` subprocesses get the same RAY_TMPDIR. It is
+the session's head (tests/conftest.py, which is exactly such a head; starting a second one
+here cost ~7-13 s), or, under RL_TEST_PRIVATE_RAY=1 (no session head), one started for the
+module, whose teardown ends exactly that cluster's processes (not `ray stop`, which would end
+every Ray on the machine)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -51,7 +54,12 @@ def test_local_only_setting_is_set_for_local_runs_and_removed_for_cluster_driver
 
 
 @pytest.fixture(scope="module")
-def head_cluster():
+def head_cluster(session_ray_head):
+    if session_ray_head:
+        tmp = Path(os.environ["RAY_TMPDIR"])
+        assert (tmp / "ray" / "ray_current_cluster").exists()
+        yield tmp, session_ray_head
+        return
     head = LoopbackHead("rlh-", 1, child_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_ADDRESS=None))
     try:
         assert head.started.returncode == 0, head.started.stdout + head.started.stderr
