@@ -254,6 +254,13 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
                 "train_tokens_per_s": out_phases["rl_update"]["tokens_per_s"] / out_phases["hf_train"]["tokens_per_s"]}}
 
 
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
@@ -285,16 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak(device, getattr(torch, dtype))
     bandwidth = copy_bandwidth(device)
     results = []
+    report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "dtype": dtype,
+              "matmul_peak_flops": peak, "matmul_peak_note": f"{'8192' if dev == 'cuda' else '1024'}^3 {dtype} matmul",
+              "copy_bandwidth_bytes_per_s": bandwidth, "steps": args.steps, "shapes": results}
     try:
         for name in shapes:
             results.append(bench_shape(name, device, dtype, args.steps, peak, bandwidth))
+            report["elapsed_s"] = time.perf_counter() - t_start
+            print(f"{name}: done at {report['elapsed_s']:.1f} s", flush=True)
+            _write_json(args.json, report)  # what is done survives a time limit
     finally:
         dist.destroy_process_group()
-    elapsed = time.perf_counter() - t_start
-    report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "dtype": dtype,
-              "matmul_peak_flops": peak, "matmul_peak_note": f"{'8192' if dev == 'cuda' else '1024'}^3 {dtype} matmul",
-              "copy_bandwidth_bytes_per_s": bandwidth, "steps": args.steps, "shapes": results,
-              "elapsed_s": elapsed}
+    elapsed = report["elapsed_s"] = time.perf_counter() - t_start
     print(f"device {report['device']}, {dtype}, matmul peak {peak / 1e12:.2f} TFLOP/s, "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.steps} steps after 1 warm-up (medians)")
     for r in results:
@@ -311,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode bound: {d['bound_tokens_per_s']:,.0f} tok/s ({d['seconds_per_decode_step'] * 1e3:.2f} ms/step "
               f"for {d['rows']} rows)")
     print(f"elapsed {elapsed:.1f} s")
-    if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+    _write_json(args.json, report)
     return 0
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a lent device (one H200; the limits below add up to 6 minutes).
+# The GPU checks, as one script for a lent device (one H200; the limits below add up to 10 minutes,
+# 6 without the bench part).
 # Run from anywhere:  bash bench/gpu_check.sh
 #   1. memory:   offload/onload on CUDA, TE FP8 workspaces before/after offload with and
 #                without clearing (bench/gpu_check_memory.sh)
@@ -12,7 +13,10 @@
 #   5. train:    `rl train` on CUDA, `rl resume` bit-exactness (3 + resume = 6 straight, metrics and
 #                every DCP entry), PPO, LoRA, `--engine megatron` fp32 and bf16, trainer.mode=one_step_off;
 #                a summary table (bench/gpu_check_train.sh)
-#   6. pytest:   the `gpu`-marked tests in tests/test_gpu.py other than the scripts above
+#   6. bench:    bench/gpu_bench.py: rl's rollout and update beside a plain HF loop, 135m and 0.5b,
+#                bf16, tokens/s, MFU, peak memory, update seconds for 1-8 rows; JSON to
+#                $OUT/gpu_bench.json (bench/gpu_check_bench.sh)
+#   7. pytest:   the `gpu`-marked tests in tests/test_gpu.py other than the scripts above
 #                (which that file also wraps, for `pytest -m gpu`)
 # Each part prints its own figures; exit codes per part: 0 passed, 2 skipped (a dependency is
 # missing, printed as MISSING), 1 failed. This script exits 1 if any part failed.
@@ -35,6 +39,7 @@ run memory 45 bench/gpu_check_memory.sh
 run megatron 60 bench/gpu_check_megatron.sh
 run activation_offload 50 bench/gpu_check_activation_offload.sh
 run vllm 25 bench/gpu_check_vllm.sh
+run bench 240 bench/gpu_check_bench.sh
 echo "=================== pytest -m gpu (limit 30 s) ==================="
 timeout 30 python3 -m pytest -q -m gpu -rs tests/test_gpu.py -k "not gpu_check_script" || status=1
 echo "=================== gpu_check.sh: $(( $(date +%s) - t_start )) s in all, exit $status"

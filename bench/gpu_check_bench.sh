@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# rl's rollout and update beside a plain HF loop, 135m and 0.5b shapes, bf16 (bench/gpu_bench.py, issue 41).
+#     bash bench/gpu_check_bench.sh      # GPU_CHECK_TIMEOUT=300 from bench/gpu_check.sh
+# Writes ${OUT:-/tmp}/gpu_bench.json. Exit 0 passed, 2 skipped (no CUDA device), 1 failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "MISSING: a CUDA device (torch.cuda.is_available() is False)"; exit 2
+fi
+timeout "${GPU_CHECK_TIMEOUT:-300}" python bench/gpu_bench.py --device cuda --steps 2 --json "${OUT:-/tmp}/gpu_bench.json"
+rc=$?
+[ "$rc" = 0 ] || exit 1
