@@ -6,7 +6,7 @@ the calculator makes the task a copy: the model writes the expression and ``]`` 
 tokenizer's compact tool-call format, engine/agents/parsers.py), the tool's result is appended,
 and the model copies it as its final turn.
 
-Scoring (``tool_add_reward``) looks at the model's *last turn* only (tool output is never
+Scoring (task=add's ``add_reward``) looks at the model's *last turn* only (tool output is never
 credited by itself): 1.0 for the exact sum, else 0.5 x the fraction of digits right by
 position (partial credit, as task=add). The no-tool twin is the same task with
 ``rollout.max_turns=1``: a call then ends the trajectory and scores nothing, so the model must
@@ -22,6 +22,7 @@ import string
 from engine.config.schema import TaskConfig
 from engine.data.example import Example
 from engine.tasks.base import Task
+from engine.tasks.builtin import add_correct, add_reward  # the same scoring as task=add
 
 
 def calculator(expr: str) -> str:
@@ -34,19 +35,6 @@ def calculator(expr: str) -> str:
     if not numbers:
         raise ValueError("no number")
     return str(sum(int(x) for x in numbers))
-
-
-def tool_add_reward(prompt: str, response: str, answer: str) -> float:
-    """1.0 for the exact sum; otherwise 0.5 x the fraction of digits right by position."""
-    resp = response.strip()
-    if resp == answer:
-        return 1.0
-    hits = sum(1 for a, b in zip(resp, answer) if a == b)
-    return 0.5 * hits / max(len(answer), len(resp), 1)
-
-
-def tool_add_correct(prompt: str, response: str, answer: str) -> bool:
-    return response.strip() == answer
 
 
 def make_tool_add_task(cfg: TaskConfig, seed: int) -> Task:
@@ -63,6 +51,6 @@ def make_tool_add_task(cfg: TaskConfig, seed: int) -> Task:
         e = sample()
         if e.prompt not in held:
             train.append(e)
-    return Task("tool_add", train, val, tool_add_reward, correct=tool_add_correct,
+    return Task("tool_add", train, val, add_reward, correct=add_correct,
                 alphabet=string.digits + "+=]", tools=[calculator],
                 environment="engine.agents.calculator_env:CalculatorEnvironment")
