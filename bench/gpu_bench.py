@@ -170,7 +170,7 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, s["vocab"], (s["prompt_len"],), generator=g).tolist() for _ in range(s["prompts"])]
     prompt_ids = torch.tensor(prompts, device=device)
-    gen = torch.Generator(device=eng.device).manual_seed(0) if device.type == "cuda" else torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # the rank's CPU generator: the sampler seeds its device one from it
 
     phases = {k: [] for k in ("rl_rollout", "rl_update", "hf_generate", "hf_train")}
     split = []
