@@ -26,7 +26,6 @@ Peak memory: torch.cuda.max_memory_allocated per phase on cuda; on cpu the proce
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
