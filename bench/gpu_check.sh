@@ -39,8 +39,11 @@ run memory 45 bench/gpu_check_memory.sh
 run megatron 60 bench/gpu_check_megatron.sh
 run activation_offload 50 bench/gpu_check_activation_offload.sh
 run vllm 25 bench/gpu_check_vllm.sh
-run bench 240 bench/gpu_check_bench.sh
 echo "=================== pytest -m gpu (limit 30 s) ==================="
 timeout 30 python3 -m pytest -q -m gpu -rs tests/test_gpu.py -k "not gpu_check_script" || status=1
+echo "=================== the checks: $(( $(date +%s) - t_start )) s"
+# last, so that a device session short of time still has every check: the speed bench (issue 41);
+# GPU_CHECK_BENCH=0 leaves it out
+[ "${GPU_CHECK_BENCH:-1}" = 0 ] || run bench 240 bench/gpu_check_bench.sh
 echo "=================== gpu_check.sh: $(( $(date +%s) - t_start )) s in all, exit $status"
 exit $status

@@ -59,7 +59,7 @@ def test_cuda_param_and_optimizer_offload_frees_and_restores_exactly():
 @pytest.mark.parametrize("script,limit", [("bench/gpu_check_memory.sh", 200), ("bench/gpu_check_megatron.sh", 220),
                                           ("bench/gpu_check_vllm.sh", 200),
                                           ("bench/gpu_check_activation_offload.sh", 150),
-                                          ("bench/gpu_check_train.sh", 300)])
+                                          ("bench/gpu_check_train.sh", 300), ("bench/gpu_check_bench.sh", 300)])
 def test_gpu_check_script(script, limit):
     r = subprocess.run(["bash", str(ROOT / script)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "GPU_CHECK_TIMEOUT": str(limit)}, timeout=limit + 30)
