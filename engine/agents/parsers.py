@@ -14,9 +14,10 @@ model is told what was wrong, as the tool message).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
+
+from engine import json_safe
 
 
 @dataclass
@@ -44,10 +45,10 @@ class HermesParser:
         out = ParsedTurn()
         for body in self._block.findall(text):
             try:
-                obj = json.loads(body)
+                obj = json_safe.loads(body)  # a model's deeply nested output is unreadable, not a RecursionError
                 name, args = obj["name"], obj.get("arguments", {})
                 if isinstance(args, str):
-                    args = json.loads(args)
+                    args = json_safe.loads(args)
                 if not isinstance(name, str) or not isinstance(args, dict):
                     raise ValueError("name must be a string and arguments an object")
             except (ValueError, KeyError, TypeError) as e:
