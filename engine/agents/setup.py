@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from engine.config.lengths import trajectory_tokens
 from engine.errors import ConfigError
 
 
@@ -72,7 +73,7 @@ def agent_setup(cfg, tokenizer, task_tools: list | None = None, task_env: str = 
     else:
         make_env = lambda: ToolEnvironment(tools, parser)  # noqa: E731
     return AgentSetup(tools, schemas, parser, renderer, make_env, stop_ids,
-                      max_turns=cfg.rollout.max_turns, max_tokens=cfg.rollout.max_trajectory_tokens)
+                      max_turns=cfg.rollout.max_turns, max_tokens=trajectory_tokens(cfg))
 
 
 def _load_env(spec: str):

@@ -81,5 +81,7 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
 
 def validate_run_padding(run_cfg, layout: str = "padded") -> list[str]:
     """``validate_padding_config`` for a whole RunConfig (knows the longest sequence)."""
-    max_seq = int(run_cfg.data.max_prompt_length) + int(run_cfg.rollout.max_new_tokens)
+    from engine.config.lengths import longest_sequence
+
+    max_seq = longest_sequence(run_cfg)
     return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout)

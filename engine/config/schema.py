@@ -283,7 +283,8 @@ class RolloutConfig:
     max_turns: int = _f(4, "multi-turn (task.tools or task.environment): model turns per trajectory at most",
                         min=1)
     max_trajectory_tokens: int = _f(0, "multi-turn: tokens after the prompt per trajectory at most (model and "
-                                       "tool tokens); 0 = no limit beyond max_turns x max_new_tokens", min=0)
+                                       "tool tokens; the trajectory stops there); 0 = max_turns x max_new_tokens",
+                                    min=0)
     tool_parser: str = _f("auto", "multi-turn: the tool-call format read from the model's output; auto = hermes "
                                   "for a chat template with <tool_call>, compact for the built-in tokenizer",
                           choices=["auto", "hermes", "compact"])

@@ -14,6 +14,7 @@ import re
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
+from engine.config.lengths import is_multi_turn
 from engine.config.removed_keys import removed_message
 from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
@@ -397,7 +398,7 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 f"supported yet: the routers' record/replay hooks switch per forward, which a compiled graph "
                 f"would not follow. Set engine.compile=false, or algorithm.router_replay=off.",
                 title="invalid config")
-    if cfg.task.tools or cfg.task.environment or cfg.task.name == "tool_add":  # multi-turn (engine/agents)
+    if is_multi_turn(cfg):  # multi-turn (engine/agents)
         what = "task.tools" if cfg.task.tools else "task.environment" if cfg.task.environment else "task=tool_add"
         if cfg.trainer.mode != "sync":
             raise ConfigError(f"`{what}` (multi-turn rollouts) with `trainer.mode={cfg.trainer.mode}` is not "

@@ -390,7 +390,9 @@ class _Shapes:
 
 
 def _shapes(run_cfg: RunConfig, lay: _Layout, seq_len: Optional[int]) -> _Shapes:
-    t = seq_len or (run_cfg.data.max_prompt_length + run_cfg.rollout.max_new_tokens)
+    from engine.config.lengths import longest_sequence
+
+    t = seq_len or longest_sequence(run_cfg)
     per_step = run_cfg.data.train_batch_size * run_cfg.algorithm.rollout_n
     per_rank = math.ceil(per_step / lay.dp)
     mb = run_cfg.algorithm.ppo_mini_batch_size

@@ -157,7 +157,9 @@ class VLLMSampler(Sampler):
         self.dtype = getattr(torch, cfg.model.dtype)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         # +1: verify_sync feeds a whole rollout row as a prompt and asks for one more token
-        self.max_model_len = min(cfg.data.max_prompt_length + cfg.rollout.max_new_tokens + 1,
+        from engine.config.lengths import sampler_context
+
+        self.max_model_len = min(sampler_context(cfg) + 1,
                                  int(getattr(hf_config, "max_position_embeddings", 1 << 30)))
         self.export = HFExportDir(hf_config, self.tied, self.dtype, rank)
         self.last_kv_cache_bytes = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config.lengths import is_multi_turn, sampler_context
 from engine.config.schema import RunConfig
 from engine.errors import ConfigError
 from engine.tasks.base import Task
@@ -127,13 +128,17 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
 
         check_vocab(model_path, tok, train + val)
         limit, limit_key = context_length(model_path)  # a model directory's own positions (GPT-2: n_positions)
-    if limit and cfg.data.max_prompt_length + cfg.rollout.max_new_tokens > limit:
+    after = sampler_context(cfg) - cfg.data.max_prompt_length  # the response, or a trajectory + one turn
+    if limit and cfg.data.max_prompt_length + after > limit:
         longest = max(len(p) for p in train + val)
-        if longest + cfg.rollout.max_new_tokens > limit:
-            keep = max(limit - cfg.rollout.max_new_tokens, 0)
-            raise ConfigError(f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) "
+        if longest + after > limit:
+            keep = max(limit - after, 0)
+            what, lower = ((f"rollout.max_new_tokens ({after})", "rollout.max_new_tokens") if not is_multi_turn(cfg)
+                           else (f"a trajectory ({after} tokens: the budget rollout.max_trajectory_tokens, or "
+                                 f"max_turns x max_new_tokens, and one turn more)", "rollout.max_trajectory_tokens"))
+            raise ConfigError(f"prompt ({longest} tokens) + {what} "
                               f"exceeds {limit_key} ({limit}): the model has no positions past {limit}. Shorten the "
-                              f"prompts, lower rollout.max_new_tokens, or drop the long ones with "
+                              f"prompts, lower {lower}, or drop the long ones with "
                               f"data.max_prompt_length={keep} data.filter_overlong_prompts=true.",
                               title="prompt too long")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id,

@@ -103,8 +103,9 @@ class FSDPEngine(TrainEngine):
         from engine.batching.buckets import make_bucket_policy
 
         # long-lived, so policy=learned sees every step; the longest sequence is its top boundary
-        self.bucket_policy = make_bucket_policy(c.engine, max_length=c.data.max_prompt_length
-                                                + c.rollout.max_new_tokens)
+        from engine.config.lengths import longest_sequence
+
+        self.bucket_policy = make_bucket_policy(c.engine, max_length=longest_sequence(c))
         self._updates = 0
 
     def _share_prompts(self) -> bool:

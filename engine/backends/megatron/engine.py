@@ -236,7 +236,9 @@ class MegatronEngine(TrainEngine):
 
         # long-lived (policy=learned sees every step); its top boundary is the longest sequence,
         # as make_bucket_policy's docstring asks for the padded layout
-        longest = c.data.max_prompt_length + c.rollout.max_new_tokens
+        from engine.config.lengths import longest_sequence
+
+        longest = longest_sequence(c)
         self.bucket_policy = make_bucket_policy(self._engine_cfg(), max_length=longest)
 
     def _engine_cfg(self):
