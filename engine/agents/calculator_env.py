@@ -10,7 +10,8 @@ Shaping: the environment's reward (added to the task's, engine/agents/loop.py) i
 when the episode ends with an answer after a successful calculator result, else 0. Without it,
 calls die out in the first tens of steps: an answer after a tool result scores no better than a
 guess until the model copies the result, and it learns to copy only if it keeps calling. The
-held-out accuracy (exact sums only) is not touched by it.
+held-out accuracy (exact answers only) is not touched by it. Measured without it on the mod-7 task
+(seed 0, 400 steps): calls died out and the run ended exactly where its no-tool twin did.
 """
 
 from __future__ import annotations
