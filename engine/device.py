@@ -70,6 +70,13 @@ def check_device_config(cfg) -> None:
     if cfg.trainer.device == "cuda" and not cuda_available():
         raise ConfigError("`trainer.device=cuda` but no CUDA device is visible on this machine. "
                           "Use trainer.device=auto (or cpu).", title="invalid config value")
+    if getattr(cfg.rollout, "cuda_graphs", False) and cfg.rollout.name == "torch":
+        on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
+        if not on_cuda:
+            raise ConfigError("`rollout.cuda_graphs=true` captures the decode step as CUDA graphs, which needs a "
+                              "GPU, and this run samples on the CPU. Set rollout.cuda_graphs=false (the CPU "
+                              "decode path is already built for a CPU), or run with trainer.device=cuda on a GPU.",
+                              title="invalid config value")
     kernels = [k for k in ("compile", "fused_kernels") if getattr(cfg.engine, k, False)]
     if kernels and cfg.engine.name == "fsdp":
         on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())

@@ -79,9 +79,9 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
     return warnings
 
 
-def validate_run_padding(run_cfg, layout: str = "padded") -> list[str]:
-    """``validate_padding_config`` for a whole RunConfig (knows the longest sequence)."""
-    from engine.config.lengths import longest_sequence
-
-    max_seq = longest_sequence(run_cfg)
+def validate_run_padding(run_cfg, layout: str = "padded", longest: int | None = None) -> list[str]:
+    """``validate_padding_config`` for a whole RunConfig. ``longest``: the longest row
+    (engine/config/lengths.py, multi-turn trajectories included); default the single-turn one."""
+    max_seq = longest if longest is not None else (int(run_cfg.data.max_prompt_length)
+                                                   + int(run_cfg.rollout.max_new_tokens))
     return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout)

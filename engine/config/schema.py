@@ -274,6 +274,9 @@ class RolloutConfig:
     decode_lanes: int = _f(0, "torch rollout: decode the rows as this many lanes of whole prompt groups, each on "
                               "its own thread with one intra-op thread; 0 = auto (the rank's threads on a CPU, "
                               "1 on an accelerator)", min=0, only_for={"rollout": ("torch",)})
+    cuda_graphs: bool = _f(False, "torch rollout on a GPU: capture each decode step (forward and sampling) as a "
+                                  "CUDA graph per batch-size bucket and replay it (engine/rollout/graphed_decode.py; "
+                                  "not yet run on a GPU)", only_for={"rollout": ("torch",)})
     ignore_eos: bool = _f(False, "fixed-length generation: EOS is never sampled, every response has exactly "
                                  "max_new_tokens tokens (benchmarks; like HF min_new_tokens / vLLM min_tokens)")
     gpu_memory_utilization: float = _f(0.4, "vllm: fraction of device memory for weights + KV cache", min=0.0, max=1.0,

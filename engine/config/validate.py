@@ -14,7 +14,7 @@ import re
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
-from engine.config.lengths import is_multi_turn
+from engine.config.lengths import is_multi_turn, longest_sequence
 from engine.config.removed_keys import removed_message
 from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
@@ -361,7 +361,7 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
             f"baseline: algorithm=reinforce_pp (the batch) or algorithm=ppo (a critic).", title="invalid config")
     from engine.batching.validate import validate_run_padding
 
-    validate_run_padding(cfg)
+    validate_run_padding(cfg, longest=longest_sequence(cfg))
     if e.name == "megatron":
         if e.pipeline_model_parallel_size > 1 or e.context_parallel_size > 1:
             raise ConfigError(

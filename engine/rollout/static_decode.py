@@ -204,6 +204,9 @@ class StaticDecode:
         self.cos = self.sin = None
         rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
         self.positions = positions    # [B, 1]: the position the next fed token takes
+        # static shapes (engine/rollout/graphed_decode.py): the cache position and decode step as
+        # device tensors advanced by the step itself, attention over the whole cache; None: off
+        self.t_dev = self.s_dev = None
         if not any(t in rope_type for t in PER_STEP_ROPE_TYPES):
             steps = positions + torch.arange(max_new_tokens, device=positions.device)[None, :]
             cos, sin = self.inner.rotary_emb(keys[0], steps)
@@ -249,6 +252,22 @@ class StaticDecode:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -1:] + 1
         return cls(model, parts, keys, values, bias, P, positions, max_new_tokens, like=like)
 
+    def make_static(self) -> bool:
+        """Switch to static shapes: every step then has the same shapes and reads its position
+        from device tensors it advances itself, so it can be captured in a CUDA graph and replayed
+        (engine/rollout/graphed_decode.py). Attention covers the whole cache, the positions not
+        written yet closed by the mask. False (nothing changed) where the rotary tables depend on
+        the length reached (computed per step on the host)."""
+        if self.cos is None:
+            return False
+        for k, v in zip(self.keys, self.values):  # read under the closed mask: zeros, not whatever memory held
+            k[:, :, self.filled:].zero_()             # (a nan there would survive a weight of 0)
+            v[:, :, self.filled:].zero_()
+        dev = self.bias.device
+        self.t_dev = torch.tensor([self.filled], dtype=torch.long, device=dev)
+        self.s_dev = torch.tensor([self.filled - self.start_filled], dtype=torch.long, device=dev)
+        return True
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows leave the batch)."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
@@ -277,6 +296,8 @@ class StaticDecode:
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor):
         """(cos, sin') for this step, [B, 1, head_dim] each (``sin'``: first half negated)."""
+        if self.s_dev is not None:  # static shapes: the step index lives on the device
+            return self.cos.index_select(1, self.s_dev), self.sin.index_select(1, self.s_dev)
         if self.cos is not None:
             s = self.filled - self.start_filled
             return self.cos[:, s, None], self.sin[:, s, None]
@@ -290,8 +311,14 @@ class StaticDecode:
         positions); logits [B, vocab]."""
         B, t = tokens.shape[0], self.filled
         positions = self.positions if positions is None else positions
-        self.bias[:, :, :, t] = 0.0
-        bias = self.bias[:, :, :, :t + 1].reshape(B * self.kv_heads, 1, t + 1)   # a view
+        static = self.t_dev is not None
+        if static:  # the whole cache, the mask opened at the position this token takes
+            self.bias.index_fill_(3, self.t_dev, 0.0)
+            length = self.bias.shape[-1]
+        else:
+            self.bias[:, :, :, t] = 0.0
+            length = t + 1
+        bias = self.bias[:, :, :, :length].reshape(B * self.kv_heads, 1, length)   # a view
         x = self.inner.embed_tokens(tokens)                           # [B, hidden]
         cos, sin = self._rotary(x, positions)
         H, KV, D = self.heads, self.kv_heads, self.head_dim
@@ -315,15 +342,23 @@ class StaticDecode:
                     k = attn.k_norm(k)
                 q = torch.addcmul(q * cos, _swap_halves(q), sin)
                 k = torch.addcmul(k * cos, _swap_halves(k), sin)
-            self.keys[i][:, :, t] = k
-            self.values[i][:, :, t] = v
-            x = self.o_proj[i](x, self._attend(q, i, t + 1, bias))
+            if static:
+                self.keys[i].index_copy_(2, self.t_dev, k.unsqueeze(2))
+                self.values[i].index_copy_(2, self.t_dev, v.unsqueeze(2))
+            else:
+                self.keys[i][:, :, t] = k
+                self.values[i][:, :, t] = v
+            x = self.o_proj[i](x, self._attend(q, i, length, bias))
             h = self.norms[i][1](x)
             if self.gate_up[i] is not None:
                 gate, up = _project(h, self.gate_up[i]).chunk(2, dim=-1)
                 x = self.down_proj[i](x, layer.mlp.act_fn(gate).mul_(up))
             else:
                 x = x + layer.mlp(h)
-        self.filled = t + 1
-        self.positions = positions + 1
+        if static:  # in the graph: a replay advances these, the host's counters below do not move
+            self.t_dev.add_(1)
+            self.s_dev.add_(1)
+        else:
+            self.filled = t + 1
+            self.positions = positions + 1
         return self.lm_head(self.final_norm(x))

@@ -121,6 +121,9 @@ class TorchSampler(Sampler):
         # tokens besides EOS that end a response and stay in it (a tool call's end marker,
         # engine/agents/parsers.py); empty: EOS alone, as every single-turn run
         self.stop_token_ids: tuple[int, ...] = ()
+        # decode with static shapes (engine/rollout/graphed_decode.py): captured as CUDA graphs on a
+        # GPU (rollout.cuda_graphs); on a CPU the same steps run eagerly (what the tests compare)
+        self.static_shapes = bool(getattr(cfg, "cuda_graphs", False))
 
     def _stops(self, dev) -> torch.Tensor:
         return torch.tensor([self.eos, *self.stop_token_ids], device=dev)
@@ -189,10 +192,11 @@ class TorchSampler(Sampler):
         del cache
         jobs = [(decoders[j], logits[lane.to(dev)], None if noise is None else noise[lane.to(dev)])
                 for j, lane in enumerate(lanes)]
+        decode = self._decode_static if self.static_shapes else self._decode
         if len(jobs) == 1:
-            results = [self._decode(*jobs[0])]
+            results = [decode(*jobs[0])]
         else:
-            results = _run_lanes(self._decode, jobs)
+            results = _run_lanes(decode, jobs)
         self.last_lanes = max(self.last_lanes, len(jobs))
         tokens = torch.full((B, N), self.pad, dtype=torch.long)
         logps = torch.zeros((B, N))
@@ -269,6 +273,18 @@ class TorchSampler(Sampler):
             logits = steps.step(tok)
         cache_bytes = max(cache_bytes, steps.cache_bytes())
         return tokens, logps, lengths, taken, cache_bytes
+
+    def _decode_static(self, steps, logits: torch.Tensor, noise: torch.Tensor | None):
+        """``_decode`` with every step's shapes fixed (engine/rollout/graphed_decode.py), captured as
+        CUDA graphs on a GPU; the model's own forward (no static cache) decodes as ``_decode``."""
+        if not isinstance(steps, StaticDecode) or not steps.make_static():
+            return self._decode(steps, logits, noise)
+        from engine.rollout.graphed_decode import decode_graphed
+
+        eos = torch.tensor([self.eos], device=logits.device)
+        return decode_graphed(steps, lambda lg, u: self._sample(lg, u, eos), logits, noise, self.cfg.max_new_tokens,
+                              self._stops(logits.device), self.pad, self.cfg.ignore_eos,
+                              capture=logits.device.type == "cuda")
 
     def _sample(self, logits: torch.Tensor, u: torch.Tensor | None, eos: torch.Tensor):
         """A token per row (greedy when ``u`` is None) and its log-prob under the unmodified
