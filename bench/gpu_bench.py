@@ -12,7 +12,10 @@ Per shape, each phase measured ``--steps`` times after one warm-up, medians:
 ``hf_generate`` -- ``model.generate(do_sample=True)`` on an identical copy of the weights, same prompts,
                    same number of new tokens (min = max: no early stop, as rollout.ignore_eos=true);
 ``hf_train``    -- forward + backward + AdamW on the same sequences in micro-batches of 32
-                   (fp32 master weights, autocast to the compute dtype, as the engine does).
+                   (fp32 master weights, autocast to the compute dtype, as the engine does);
+``rl_rollout_cuda_graphs`` -- the same rollout with rollout.cuda_graphs (engine/rollout/graphed_decode.py:
+                   each decode step replayed from a CUDA graph; eager on cpu) from the same sampling
+                   noise; ``cuda_graphs_same_tokens`` says, per step, whether it sampled the same tokens.
 MFU = achieved FLOP/s / a matmul peak measured in this run (8192^2 on cuda, 1024^2 on cpu, in the
 compute dtype), with FLOPs = 2 x N x generated tokens (generation) and 6 x N x (prompt + response)
 tokens (training), N = matmul parameters (all parameters less the input embedding, unless tied).
@@ -157,6 +160,8 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
     eng = FSDPEngine(cfg, "", s["vocab"], PAD, EOS, device, 1)
     eng.build()
     sampler = TorchSampler(cfg.rollout, PAD, EOS, eng.device)
+    graphed = TorchSampler(cfg.rollout, PAD, EOS, eng.device)  # rollout.cuda_graphs (engine/rollout/graphed_decode.py)
+    graphed.static_shapes = True
     loss_fn = PolicyLoss(cfg.algorithm, 1)
     # the plain loop's copy: the same seeded random init, fp32 masters on the device
     hf = build_hf_model(cfg.model, "", s["vocab"], cfg.trainer.seed, PAD, EOS).float().to(device)
@@ -171,13 +176,22 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
     prompt_ids = torch.tensor(prompts, device=device)
     gen = torch.Generator().manual_seed(0)  # the rank's CPU generator: the sampler seeds its device one from it
 
-    phases = {k: [] for k in ("rl_rollout", "rl_update", "hf_generate", "hf_train")}
-    split = []
+    phases = {k: [] for k in ("rl_rollout", "rl_update", "hf_generate", "hf_train", "rl_rollout_cuda_graphs")}
+    split, graphs_equal = [], []
     for step in range(steps + 1):
+        state = gen.get_state()
         with PhaseMeter(device) as pm:
             with eng.generation_model() as model:
                 batch = sampler.generate(model, prompts, s["n"], gen)
         roll = (pm.seconds, float(batch.response_mask.sum()), pm.peak_bytes)
+        after = gen.get_state()
+        gen.set_state(state)  # the same noise: the graphed rollout must sample the same tokens
+        with PhaseMeter(device) as pm:
+            with eng.generation_model() as model:
+                gbatch = graphed.generate(model, prompts, s["n"], gen)
+        groll = (pm.seconds, float(gbatch.response_mask.sum()), pm.peak_bytes)
+        gen.set_state(after)
+        graphs_equal.append(bool(torch.equal(gbatch.input_ids, batch.input_ids)))
         rewards = torch.rand(len(batch), generator=g)
         batch.advantages = token_advantages(grpo_advantages(rewards, s["n"]), batch.response_mask)
         with PhaseMeter(device) as pm:
@@ -202,7 +216,7 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
         htrain = (pm.seconds, float(out.numel()), pm.peak_bytes)
         if step == 0:
             continue  # warm-up
-        for k, v in zip(phases, (roll, upd, hgen, htrain)):
+        for k, v in zip(phases, (roll, upd, hgen, htrain, groll)):
             phases[k].append(v)
         split.append({"rollout": roll[0], "advantages_and_update": upd[0]})
 
@@ -213,6 +227,7 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
         "rl_update": _phase(phases["rl_update"], 6 * matmul_params, peak, train_formula),
         "hf_generate": _phase(phases["hf_generate"], 2 * matmul_params, peak, gen_formula),
         "hf_train": _phase(phases["hf_train"], 6 * matmul_params, peak, train_formula),
+        "rl_rollout_cuda_graphs": _phase(phases["rl_rollout_cuda_graphs"], 2 * matmul_params, peak, gen_formula),
     }
 
     # the fixed cost of an update: rows 1..8 (one prompt each, random advantages, no zero rows)
@@ -247,7 +262,7 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
     return {"shape": name, "model": m, "vocab": s["vocab"], "params": n_params, "matmul_params": matmul_params,
             "batch": {"prompts": s["prompts"], "samples": s["n"], "prompt_len": s["prompt_len"],
                       "new_tokens": s["new_tokens"]},
-            "phases": out_phases, "step_split_s": split, "update_rows": update_rows, "decode_bound": decode,
+            "phases": out_phases, "step_split_s": split, "cuda_graphs_same_tokens": graphs_equal, "update_rows": update_rows, "decode_bound": decode,
             "ratios_rl_over_hf": {
                 "generate_tokens_per_s": out_phases["rl_rollout"]["tokens_per_s"] / out_phases["hf_generate"]["tokens_per_s"],
                 "train_tokens_per_s": out_phases["rl_update"]["tokens_per_s"] / out_phases["hf_train"]["tokens_per_s"]}}
