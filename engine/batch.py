@@ -47,6 +47,7 @@ class SequenceBatch:
     values: Optional[torch.Tensor] = None      # PPO: the critic's V(tokens < t) before the update
     returns: Optional[torch.Tensor] = None     # PPO: GAE value targets
     routed_experts: Optional[torch.Tensor] = None  # MoE routing replay: [B, T, L, k] int16
+    versions_behind: Optional[torch.Tensor] = None  # [B, T] float: policy versions between each row's sampling weights and the trained ones (trainer.mode samples ahead)
     extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -95,6 +95,35 @@ def test_behavior_ratio_clips_against_the_sampler():
     assert metrics["rollout_ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-5)
 
 
+def test_behavior_clip_bounds_compound_per_version_behind():
+    """behavior_clip=per_version: a sample one version behind is clipped at (1 + 0.28)^2 = 1.638 and
+    (1 - 0.2)^2 = 0.64 of its sampling probability, not 1.28 / 0.8: the update that made it stale
+    may have moved it by PPO's clip already. Token 1 (ratio e^0.4 = 1.49) and token 3 (ratio e^-0.3 =
+    0.74, negative advantage) keep their gradient; token 2 (ratio e^0.5 = 1.65) is past the bound."""
+    import dataclasses
+
+    log_p0 = torch.tensor([[0.0, -1.0, -2.0, -0.8]])
+    roll = torch.tensor([[0.0, -1.4, -2.5, -0.5]])
+    adv = torch.tensor([[0.0, 1.0, 1.0, -1.0]])
+    grads = {}
+    for clip, behind in (("per_version", 1.0), ("fixed", 1.0), ("per_version", 0.0), ("per_version", None)):
+        log_p = log_p0.clone().requires_grad_(True)
+        mb = _mb(roll)
+        mb.advantages = adv
+        mb.versions_behind = None if behind is None else torch.full_like(adv, behind)
+        cfg = dataclasses.replace(RunConfig().algorithm, behavior_clip=clip)
+        loss, m = PolicyLoss(cfg, 1, OffPolicy(behavior_ratio=True))(log_p, None, mb, n_tokens=3.0, n_seqs=1.0)
+        loss.backward()
+        grads[(clip, behind)] = (log_p.grad.clone(), m["clip_frac"])
+    g, frac = grads[("per_version", 1.0)]
+    assert torch.allclose(g, torch.tensor([[0.0, -math.exp(0.4) / 3, 0.0, math.exp(-0.3) / 3]]), atol=1e-6)
+    assert frac == pytest.approx(1 / 3)
+    g, frac = grads[("fixed", 1.0)]  # 1.28 / 0.8: tokens 1, 2 and 3 all past the bounds
+    assert torch.equal(g, torch.zeros_like(g)) and frac == pytest.approx(1.0)
+    # no version behind: exactly the fixed bounds (the sync loss), and no field at all is the same
+    assert torch.equal(grads[("per_version", 0.0)][0], grads[("per_version", None)][0])
+
+
 def test_off_leaves_the_loss_as_it_was():
     """rollout_is=off (the sync default): the loss and its gradient ignore the rollout's log-probs."""
     cfg = RunConfig().algorithm

@@ -31,11 +31,18 @@ def kl_penalty(log_p: torch.Tensor, log_ref: torch.Tensor, kind: str) -> torch.T
 
 
 def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch.Tensor,
-                        clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token -min(r A, clip(r, 1-lo, 1+hi) A) and whether the clip was active."""
+                        clip_low: float, clip_high: float,
+                        versions_behind: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token -min(r A, clip(r, 1-lo, 1+hi) A) and whether the clip was active.
+    ``versions_behind`` [B, T] (a ratio against weights s versions older than the trained ones):
+    the bounds compound per version, (1-lo)^(s+1) .. (1+hi)^(s+1)."""
     ratio = torch.exp(log_p - old_log_p)
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    if versions_behind is None:
+        clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    else:
+        span = versions_behind.to(ratio.dtype) + 1.0
+        clipped = -adv * torch.clamp(ratio, (1.0 - clip_low) ** span, (1.0 + clip_high) ** span)
     loss = torch.maximum(unclipped, clipped)
     return loss, (clipped > unclipped).float()
 
@@ -129,7 +136,9 @@ class PolicyLoss:
             pg, clipped = terms.loss, terms.clipped
             extra = sequence_ratio_metrics(terms, mask, n_seqs)
         else:
-            pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high)
+            behind = (mb.versions_behind if off.behavior_ratio and roll is not None and c.behavior_clip == "per_version"
+                      else None)
+            pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high, behind)
             extra = {}
         if roll is not None and (off.report or off.is_level != "off"):  # the trained policy against the sampler's
             with torch.no_grad():

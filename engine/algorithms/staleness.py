@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import torch
+
 
 def staleness_record(versions: list[int], step: int) -> dict:
     """The step's ``staleness`` row: the version trained from, the mean and largest staleness over
@@ -20,6 +22,13 @@ def staleness_record(versions: list[int], step: int) -> dict:
     for s, count in sorted(Counter(stale).items()):
         out[f"rows_{s}"] = count
     return out
+
+
+def versions_behind(versions: list[int], step: int, like: torch.Tensor) -> torch.Tensor:
+    """[B, T] (shaped as ``like``): each row's staleness at step ``step`` on every token, as the
+    policy loss reads it (algorithm.behavior_clip=per_version)."""
+    stale = torch.tensor([float((step - 1) - v) for v in versions], dtype=like.dtype)
+    return stale[:, None].expand_as(like).contiguous()
 
 
 def rollout_ratio_metrics(per_update: dict) -> dict:

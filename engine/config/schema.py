@@ -256,6 +256,12 @@ class AlgorithmConfig:
                                            "weights at the update, with the rollout importance weight correcting for "
                                            "the sampling weights (decoupled PPO, as verl's rollout_is)",
                                choices=["behavior", "proximal"])
+    behavior_clip: str = _f("per_version", "off_policy_ratio=behavior: the clip bounds of a sample s policy "
+                                           "versions behind the trained weights; per_version = (1 - clip_ratio_low)^(s+1) "
+                                           ".. (1 + clip_ratio_high)^(s+1) (each update since the sampling weights "
+                                           "may move the policy by PPO's clip, as the trained one will); fixed = "
+                                           "1 -/+ clip_ratio_* whatever the staleness",
+                            choices=["per_version", "fixed"])
     rollout_is_cap: float = _f(2.0, "upper truncation of the rollout importance weight (truncated IS; verl's "
                                     "rollout_is_threshold)", above=0.0)
     router_replay: str = _f("off", "mixture-of-experts policies: record the rollout's top-k experts per token and "

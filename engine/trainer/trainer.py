@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
-from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record
+from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record, versions_behind
 from engine.config.resolved import mini_batch_prompts, updates_per_step, versions_ahead
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
@@ -242,6 +242,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         ro = draw(cfg.data.train_batch_size)
     batch, rewards = ro.batch, ro.rewards
     correct = sum(ro.correct) / len(ro.correct) if ro.correct is not None else None
+    if ahead is not None:  # each row's age, for the loss's clip against the weights that sampled it
+        batch.versions_behind = versions_behind(ro.versions, step, batch.response_mask)
     if ahead is not None:  # the next steps' rollouts run on the rollout worker during this update
         ahead.queue_ahead()
 
