@@ -30,3 +30,10 @@ class ConfigError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, unsafe or incompatible."""
+
+
+class EnvironmentFailed(UserError):
+    """A multi-turn environment (task.environment) raised during a rollout (engine/agents/loop.py)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, title="environment failed")

@@ -16,7 +16,7 @@ held-out accuracy (exact answers only) is not touched by it. Measured without it
 
 from __future__ import annotations
 
-from engine.agents.environment import EnvStep, ToolEnvironment
+from engine.agents.environment import PendingStep, ToolEnvironment
 from engine.agents.parsers import CompactParser
 
 
@@ -34,12 +34,18 @@ class CalculatorEnvironment(ToolEnvironment):
         self.question = str(getattr(row, "prompt", "") or "").rstrip("=")
         return None
 
-    def step(self, messages: list[dict]) -> EnvStep:
+    def begin(self, messages: list[dict]) -> PendingStep:
         text = messages[-1]["content"]
         if text.endswith("]") and not any(c.isdigit() for c in text[text.rfind("[") + 1:]):
             messages = messages[:-1] + [{"role": "assistant", "content": self.question + "]"}]
-        out = super().step(messages)
-        if out.done:
-            used = any(m["role"] == "tool" and not m["content"].startswith("error") for m in messages)
-            out.reward = USE_BONUS if used else 0.0
-        return out
+        pending = super().begin(messages)
+        finish = pending.finish
+
+        def with_bonus(results):
+            out = finish(results)
+            if out.done:
+                used = any(m["role"] == "tool" and not m["content"].startswith("error") for m in messages)
+                out.reward = USE_BONUS if used else 0.0
+            return out
+
+        return PendingStep(pending.calls, with_bonus)

@@ -34,6 +34,7 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
     reward: float | None = None
     stop: str = ""
     last_answer: str = ""     # the model's last turn, as text (what the task's reward scores)
@@ -54,20 +55,26 @@ class AgentRollout:
         ts = self.trajectories
         k = max(len(ts), 1)
         out = {"turns_mean": sum(t.turns for t in ts) / k, "turns_max": max((t.turns for t in ts), default=0),
-               "tool_calls": sum(t.tool_calls for t in ts) / k, "tool_errors": sum(t.tool_errors for t in ts) / k}
+               "tool_calls": sum(t.tool_calls for t in ts) / k, "tool_errors": sum(t.tool_errors for t in ts) / k,
+               "tool_timeouts": sum(t.tool_timeouts for t in ts) / k}
         for r in STOP_REASONS:
             out[f"stop_{r}"] = sum(t.stop == r for t in ts) / k
         return out
 
 
 def run_episodes(generate, prompts: list[list[int]], rows: list, n: int, make_env, renderer, decode,
-                 *, max_turns: int, max_tokens: int = 0, pad_token_id: int = 0) -> AgentRollout:
-    """``make_env()`` -> a fresh Environment per trajectory; ``decode(ids)`` -> text of one turn."""
+                 *, max_turns: int, max_tokens: int = 0, pad_token_id: int = 0, run_tools=None) -> AgentRollout:
+    """``make_env()`` -> a fresh Environment per trajectory; ``decode(ids)`` -> text of one turn;
+    ``run_tools([(function, ToolCall)]) -> [ToolResult]`` runs a turn's tool calls, every
+    trajectory's together (engine/agents/tool_calls.py; default: here, one after another)."""
+    from engine.agents.tool_calls import ToolRunner
+
+    run_tools = run_tools or ToolRunner()
     trajs = []
     for p, row in zip(prompts, rows):
         for _ in range(n):
             env = make_env()
-            opening = env.reset(row)
+            opening = _env_call(env, "reset", row)
             prompt = list(p) if opening is None else renderer.prompt(opening)
             trajs.append(Trajectory(prompt, list(opening or []), env))
     live = list(range(len(trajs)))
@@ -80,7 +87,7 @@ def run_episodes(generate, prompts: list[list[int]], rows: list, n: int, make_en
         else:
             first = False
             batch = generate([trajs[i].prompt + trajs[i].ids for i in live], 1)
-        still = []
+        waiting = []  # (trajectory, its pending step): every live trajectory's tool calls run together
         for row, i in enumerate(live):
             t = trajs[i]
             m = batch.response_mask[row] > 0
@@ -95,9 +102,15 @@ def run_episodes(generate, prompts: list[list[int]], rows: list, n: int, make_en
                 _cut(t, max_tokens)
                 t.stop = "token_limit"
                 continue
-            step = t.env.step(t.messages)
+            waiting.append((i, _env_call(t.env, "begin", t.messages)))
+        results = iter(run_tools([c for _, p in waiting for c in p.calls]))
+        still = []
+        for i, pending in waiting:
+            t = trajs[i]
+            step = _env_call(t.env, "finish", pending, [next(results) for _ in pending.calls])
             t.tool_calls += step.tool_calls
             t.tool_errors += step.tool_errors
+            t.tool_timeouts += step.tool_timeouts
             if step.reward is not None:
                 t.reward = (t.reward or 0.0) + float(step.reward)
             if step.done:
@@ -117,6 +130,28 @@ def run_episodes(generate, prompts: list[list[int]], rows: list, n: int, make_en
             still.append(i)
         live = still
     return AgentRollout(to_batch(trajs, pad_token_id), trajs)
+
+
+def _env_call(env, what: str, *args):
+    """``env.reset(row)`` / ``env.begin(messages)`` / ``pending.finish(results)``; a user environment
+    that raises stops the run with an EnvironmentFailed naming it and what it was doing."""
+    from engine.agents.environment import ToolEnvironment
+
+    try:
+        if what == "finish":
+            return args[0].finish(args[1])
+        return getattr(env, what)(*args)
+    except Exception as e:
+        if isinstance(env, ToolEnvironment) and type(env).__module__.startswith("engine."):
+            raise  # rl's own: a bug, with its traceback
+        from engine.errors import EnvironmentFailed
+
+        name = f"{type(env).__module__}:{type(env).__qualname__}"
+        doing = {"reset": "reset(row)", "begin": "step(messages)", "finish": "step(messages)"}[what]
+        raise EnvironmentFailed(f"the environment {name} raised in {doing}: {type(e).__name__}: {e}. An "
+                                f"environment's own errors stop the run (a tool's errors go back to the model "
+                                f"instead); fix it, or catch what the model can cause and return it as a message."
+                                ) from e
 
 
 def _cut(t: Trajectory, k: int) -> None:

@@ -21,6 +21,7 @@ class AgentSetup:
     stop_ids: list[int] = field(default_factory=list)
     max_turns: int = 1
     max_tokens: int = 0
+    run_tools: object = None  # engine.agents.tool_calls.ToolRunner (None: on the driver, inline)
 
     def encode_prompts(self, examples: list, ids: list[list[int]]) -> list[list[int]]:
         """With a chat template and tools, the prompts rendered with the tools' schemas (the template
@@ -32,11 +33,19 @@ class AgentSetup:
         return [self.renderer.prompt(e.prompt if isinstance(e.prompt, list) else [{"role": "user", "content": e.prompt}])
                 for e in examples]
 
+    def use_reward_executors(self, rewards) -> None:
+        """Run tool calls where ``rewards`` (the run's RewardRunner) runs reward functions: its
+        process pool and timeout (engine/agents/tool_calls.py)."""
+        from engine.agents.tool_calls import ToolRunner
+
+        self.run_tools = ToolRunner(rewards, self.tools)
+
     def run(self, generate, prompts, rows, n, tokenizer):
         from engine.agents.loop import run_episodes
 
         return run_episodes(generate, prompts, rows, n, self.make_env, self.renderer, tokenizer.decode,
-                            max_turns=self.max_turns, max_tokens=self.max_tokens, pad_token_id=tokenizer.pad_token_id)
+                            max_turns=self.max_turns, max_tokens=self.max_tokens, pad_token_id=tokenizer.pad_token_id,
+                            run_tools=self.run_tools)
 
 
 def agent_setup(cfg, tokenizer, task_tools: list | None = None, task_env: str = "") -> AgentSetup | None:

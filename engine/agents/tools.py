@@ -51,6 +51,7 @@ def tool_schema(fn, spec: str = "") -> dict:
 class ToolResult:
     content: str
     error: bool
+    timeout: bool = False  # no result within task.reward_timeout_s (engine/agents/tool_calls.py)
 
 
 def run_tool(tools: dict, call: ToolCall) -> ToolResult:

@@ -67,6 +67,8 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     from engine.reward_model.build import scorers_for
 
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok))  # a reward model scores in this process
+    if agent is not None:
+        agent.use_reward_executors(runner)
     k_list = sorted(set(e.k)) if e.k else default_ks(e.n)
     sampler_cfg = replace(cfg.rollout, temperature=e.temperature, top_p=e.top_p, ignore_eos=False)
     cfg = replace(cfg, rollout=sampler_cfg)

@@ -135,12 +135,19 @@ class RewardRunner:
             groups = [idx[a:a + size] for a in range(0, len(samples), size)]
         return [(g, (spec.target, spec.batched, spec.role, [samples[i] for i in g], state)) for g in groups]
 
-    def _execute(self, calls: list[tuple], stop: bool) -> list:
+    def _execute(self, calls: list[tuple], stop: bool, fn=None) -> list:
+        kw = {} if fn is None else {"fn": fn}
         if self._pool is not None:
-            return self._pool.run(calls, self.timeout_s, stop)
+            return self._pool.run(calls, self.timeout_s, stop, **kw)
         if self.timeout_s:
-            return run_watched(calls, self.timeout_s, stop)
-        return run_inline(calls, stop)
+            return run_watched(calls, self.timeout_s, stop, **kw)
+        return run_inline(calls, stop, **kw)
+
+    def execute(self, fn, calls: list[tuple]) -> list:
+        """``fn(*call)`` for each call where reward functions run (the process pool, or the driver
+        watched with the timeout), none stopping the others; one outcome per call (executors.py).
+        The agent loop's tool calls run here (engine/agents/tool_calls.py)."""
+        return self._execute(calls, False, fn)
 
     def score(self, samples: list[Sample], state: Optional[TrainerState] = None) -> RewardScores:
         if state is not None:

@@ -1,8 +1,9 @@
 """Where reward calls run: inline on the driver, in a watched thread (when a timeout is set),
 or in a pool of spawned processes (``task.reward_workers=N``, pebble's ProcessPool).
 
-Every executor takes a list of calls ``(target, batched, role, samples[, state])`` and returns
-one outcome per call, in order: ``("ok", values)``, ``("err", message, where)`` or
+Every executor takes a list of calls ``(target, batched, role, samples[, state])`` (the arguments
+of ``fn``, by default engine/rewards/call.py's ``run_call``; the agent loop's tool calls pass their
+own, engine/agents/tool_calls.py) and returns one outcome per call, in order: ``("ok", values)``, ``("err", message, where)`` or
 ``("timeout",)``. With ``stop_on_failure`` it stops at the first failure and leaves the
 remaining outcomes ``None`` (the caller raises).
 
@@ -30,16 +31,16 @@ def _failed(outcome) -> bool:
     return outcome is None or outcome[0] != "ok"
 
 
-def run_inline(calls: list[Call], stop_on_failure: bool) -> list:
+def run_inline(calls: list[Call], stop_on_failure: bool, fn=run_call) -> list:
     out: list = [None] * len(calls)
     for i, c in enumerate(calls):
-        out[i] = run_call(*c)
+        out[i] = fn(*c)
         if stop_on_failure and _failed(out[i]):
             break
     return out
 
 
-def run_watched(calls: list[Call], timeout_s: float, stop_on_failure: bool) -> list:
+def run_watched(calls: list[Call], timeout_s: float, stop_on_failure: bool, fn=run_call) -> list:
     """Calls in order on a daemon thread; a call that takes longer than ``timeout_s`` is
     abandoned (its outcome is a timeout) and a new thread takes the rest."""
     out: list = [None] * len(calls)
@@ -50,7 +51,7 @@ def run_watched(calls: list[Call], timeout_s: float, stop_on_failure: bool) -> l
 
         def work(first=start, q=results):
             for j in range(first, len(calls)):
-                q.put((j, run_call(*calls[j])))
+                q.put((j, fn(*calls[j])))
 
         threading.Thread(target=work, daemon=True, name="reward-call").start()
         while i < len(calls):
@@ -136,10 +137,10 @@ class ProcessPool:
             pool.stop()
             pool.join()
 
-    def run(self, calls: list[Call], timeout_s: float, stop_on_failure: bool) -> list:
+    def run(self, calls: list[Call], timeout_s: float, stop_on_failure: bool, fn=run_call) -> list:
         pool = self._ensure()
         out: list = [None] * len(calls)
-        futures = [pool.schedule(run_call, args=c, timeout=timeout_s or None) for c in calls]
+        futures = [pool.schedule(fn, args=c, timeout=timeout_s or None) for c in calls]
         index = {f: i for i, f in enumerate(futures)}
         pending = set(futures)
         self._inflight |= pending

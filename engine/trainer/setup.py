@@ -149,4 +149,6 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
     from engine.rewards.compute import make_runner
 
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok, make_actor=ActorRewardModel))
+    if agent is not None:  # tool calls run where reward functions run (the pool, the timeout)
+        agent.use_reward_executors(runner)
     return RunInputs(task, tok, train, val, model_path, vocab, runner, agent)
