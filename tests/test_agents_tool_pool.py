@@ -97,3 +97,61 @@ def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, monkeypatc
     out = flat(r.output)
     assert r.exit_code == 2, out[-2000:]
     assert "brokenenv:Broken raised in step(messages): KeyError: 'board'" in out and "Traceback" not in out
+
+
+def test_reward_on_error_raise_does_not_stop_the_run_for_a_tools_error():
+    """task.reward_on_error=raise (the default) is about scoring: a tool's timeout still goes back
+    to the model. Here with reward_workers=0: on the driver, watched with the timeout."""
+    runner = RewardRunner([], workers=0, timeout_s=0.5, on_error="raise")
+    env, run = ToolEnvironment(TOOLS, HermesParser()), ToolRunner(runner, TOOLS)
+    step = _step(env, run, _turn(("slow", {"seconds": "3"}), ("add", {"expr": "1+1"})))
+    assert [m["content"] for m in step.messages] == ["error: the tool gave no result within 0.5 s", "2"]
+    assert (step.tool_errors, step.tool_timeouts) == (1, 1)
+
+
+def _rows(d) -> list[dict]:
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # what the clock decides
+        for k in [k for k in r if k.endswith(("_per_s", "_bytes", "_s")) or k in ("timing", "mem_peaks")]:
+            r.pop(k)
+        r["checkpoint"] = r["checkpoint"] and r["checkpoint"].rsplit("/", 1)[-1]  # the run's own directory
+    return rows
+
+
+@pytest.mark.slow
+def test_a_run_gives_the_same_rows_with_tools_in_the_pool_and_on_the_driver(tmp_path):
+    runs = {}
+    for w in (0, 2):
+        d = tmp_path / f"w{w}"
+        r = cli("train", "task=tool_add", "rollout.max_turns=2", "rollout.max_new_tokens=9", "trainer.total_steps=3",
+                "data.train_batch_size=4", "algorithm.rollout_n=4", f"task.reward_workers={w}",
+                f"checkpoint.dir={d}", "--json")
+        assert r.exit_code == 0, r.output[-3000:]
+        runs[w] = _rows(d)
+    assert len(runs[0]) == 3
+    for a, b in zip(runs[0], runs[2]):
+        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert sum(r["algo"]["agent_tool_calls"] for r in runs[0]) > 0  # tools were called
+
+
+def test_a_run_sends_its_tool_calls_to_the_reward_pool():
+    """The run's inputs (what `rl train` builds) hand the tool loop the run's reward executors: with
+    task.reward_workers=1, task=tool_add's calculator answers from a worker process."""
+    import os
+
+    from engine.config.load import load_run_config
+    from engine.trainer.setup import prepare_inputs
+
+    inputs = prepare_inputs(load_run_config(["task=tool_add", "rollout.max_turns=2", "task.reward_workers=1"]).config)
+    try:
+        run = inputs.agent.run_tools
+        assert run.rewards is inputs.rewards and inputs.rewards.workers == 1
+        calls = [(os.getpid, type("Call", (), {"arguments": {}})())]
+        assert run(calls)[0].content != str(os.getpid())  # ran in another process
+        calc = next(iter(inputs.agent.tools.values()))
+        env = inputs.agent.make_env()
+        env.reset(type("Row", (), {"prompt": "12+30%7="})())
+        pending = env.begin([{"role": "assistant", "content": "[12+30]"}])
+        assert [r.content for r in run(pending.calls)] == [calc("12+30")]
+    finally:
+        inputs.rewards.close()
