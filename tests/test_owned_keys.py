@@ -56,6 +56,7 @@ def test_the_declared_rules_are_the_expected_ones():
         "engine.fused_kernels": {"engine": ("fsdp",)},
         "engine.fp8": {"engine": ("megatron",)},
         "rollout.decode_lanes": {"rollout": ("torch",)},
+        "rollout.cuda_graphs": {"rollout": ("torch",)},
         "rollout.gpu_memory_utilization": {"rollout": ("vllm",)},
         "rollout.verify_sync": {"rollout": ("vllm",)},
         "algorithm.norm_adv_by_std": {"algorithm": ("grpo", "dapo")},
