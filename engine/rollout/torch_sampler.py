@@ -416,10 +416,22 @@ def _run_lanes(decode, jobs: list) -> list:
             return decode(*job)
 
     try:
-        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rl-decode-lane") as pool:
-            return list(pool.map(lane, jobs))
+        return list(_lane_pool(len(jobs)).map(lane, jobs))
     finally:
         torch.set_num_threads(threads)
+
+
+_LANES: list = []  # the process's decode-lane pool, kept between rollouts
+
+
+def _lane_pool(lanes: int) -> ThreadPoolExecutor:
+    """A pool of at least ``lanes`` threads, made once and reused: a pool per rollout started and
+    joined two threads every step (thread churn a soak's thread count sampled as noise)."""
+    if not _LANES or _LANES[0]._max_workers < lanes:
+        if _LANES:
+            _LANES.pop().shutdown(wait=False)
+        _LANES.append(ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="rl-decode-lane"))
+    return _LANES[0]
 
 
 def _recording(model, on: bool):
