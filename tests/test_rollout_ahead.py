@@ -269,3 +269,45 @@ def test_mode_cannot_change_on_resume(runs, tmp_path):
     r = rl("resume", str(dst), "trainer.mode=sync", "trainer.total_steps=6", env=ENV)
     assert r.returncode == 2 and "trainer.mode" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr
+
+
+SCORE_LOG_REWARDS = '''
+import json, os, threading, time
+
+def slow_first_char(prompts, completions, answer, trainer_state, **kw):
+    """TRL-style batched: 1 when the completion starts with the answer's first letter; 0.4 s a call."""
+    time.sleep(0.4)
+    scores = [float(bool(c) and c[0] == a[0]) for c, a in zip(completions, answer)]
+    with open(os.environ["RL_SCORE_LOG"], "a") as f:
+        f.write(json.dumps({"global_step": trainer_state.global_step, "rows": len(completions),
+                            "thread": threading.current_thread().name, "mean": sum(scores) / len(scores)}) + "\\n")
+    return scores
+'''
+
+
+@pytest.mark.slow
+def test_one_step_off_scores_the_next_batch_while_the_ranks_update(tmp_path):
+    """A queued batch is scored on the driver's scoring thread as soon as the rollout worker returns
+    it, not at the start of the step that trains on it: each batch's reward function runs on that
+    thread (steps 2..), sees the trainer state of the step that trains on it (global_step = step - 1,
+    in order), and the step's logged reward is what the function returned for that batch; the
+    step's `reward` timing is what it still waited, `reward_ahead` the 0.4 s of scoring."""
+    rows_in = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 4]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_in))
+    (tmp_path / "scorelog.py").write_text(SCORE_LOG_REWARDS)
+    log = tmp_path / "scores.jsonl"
+    r = rl("train", "task=dataset", "task.path=train.jsonl", "task.reward_fn=scorelog:slow_first_char", "task.num_val=0",
+           "trainer.mode=one_step_off", "trainer.total_steps=4", "data.train_batch_size=4", "algorithm.rollout_n=4",
+           "rollout.max_new_tokens=4", "trainer.threads_per_rank=1", f"checkpoint.dir={tmp_path / 'run'}",
+           "checkpoint.keep_last=0", cwd=tmp_path, env={**ENV, "RL_SCORE_LOG": str(log)}, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    train = [c for c in calls if c["rows"] == 16]
+    assert [c["global_step"] for c in train][:4] == [0, 1, 2, 3], calls
+    assert train[0]["thread"] == "MainThread" and all(c["thread"].startswith("rl-score-ahead") for c in train[1:4]), calls
+    steps = rows(tmp_path / "run")
+    for s in steps:
+        scored = [c for c in train if c["global_step"] == s["step"] - 1][-1]
+        assert s["reward_mean"] == pytest.approx(scored["mean"], abs=1e-6), (s["step"], scored)
+    for s in steps[1:]:
+        assert s["timing"]["reward_ahead"] >= 0.4 and s["timing"]["reward"] < s["timing"]["reward_ahead"], s["timing"]

@@ -22,6 +22,7 @@ weighted scores to the same sum, are logged under their own names (``reward_mode
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -89,6 +90,9 @@ class RewardRunner:
         self._pool = ProcessPool(workers) if workers > 0 else None
         self.state = TrainerState()  # what a function asking for trainer_state gets (the last score()'s)
         self._warned_unscored = False
+        # one caller at a time: a batch sampled ahead is scored on a driver thread (trainer/rollout_ahead.py)
+        # while the main thread may score the held-out set
+        self._busy = threading.Lock()
 
     def describe(self) -> str:
         parts = [s.name if len(self.specs) == 1 and s.weight == 1.0 else f"{s.weight:g} x {s.name}"
@@ -147,9 +151,14 @@ class RewardRunner:
         """``fn(*call)`` for each call where reward functions run (the process pool, or the driver
         watched with the timeout), none stopping the others; one outcome per call (executors.py).
         The agent loop's tool calls run here (engine/agents/tool_calls.py)."""
-        return self._execute(calls, False, fn)
+        with self._busy:
+            return self._execute(calls, False, fn)
 
     def score(self, samples: list[Sample], state: Optional[TrainerState] = None) -> RewardScores:
+        with self._busy:
+            return self._score(samples, state)
+
+    def _score(self, samples: list[Sample], state: Optional[TrainerState]) -> RewardScores:
         if state is not None:
             self.state = state
         specs = self.specs + ([self.correct_spec] if self.correct_spec else [])

@@ -15,6 +15,11 @@ A batch queued at step k for step j was asked for after version k - 1 was loaded
 is at most j - k <= ahead; every batch records the version it was actually sampled with. With
 ``ahead`` = 0 nothing is queued and the trainer never builds this (the sync path, exactly).
 
+Rewards as batches arrive: a queued batch is scored on a driver thread as soon as the worker returns
+it (``score_with``), while the ranks still update, with the trainer state of the step expected to
+train on it; the step then only waits for what is left. A batch taken by another step than
+expected (dynamic sampling's extra rounds) is scored again, at the step that takes it.
+
 Checkpoints: ``state_dict`` waits for the queued batches and returns them with the worker's
 sampling generator, so a resumed run trains on the same samples and continues the same stream
 (exact resume, as in sync mode)."""
@@ -22,8 +27,10 @@ sampling generator, so a resumed run trains on the same samples and continues th
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from engine.config.resolved import resolve_run, versions_ahead
 from engine.config.schema import RunConfig
@@ -45,6 +52,9 @@ class Draw:
     pending: object = None  # the worker's ObjectRef until taken
     batch: SequenceBatch | None = None
     stats: dict | None = None
+    for_step: int = 0                # the step expected to train on it (0: not known when asked)
+    scoring: Future | None = None    # its rewards, computed on the driver's scoring thread
+    arrived: float = 0.0             # perf_counter when the scoring thread had the batch
 
     def wait(self, timeout_s: float) -> "Draw":
         if self.batch is None:
@@ -71,6 +81,9 @@ class RolloutAhead:
         self.n = cfg.algorithm.rollout_n
         self.timeout = cfg.trainer.ray_timeout_s
         self.queue: list[Draw] = []
+        self._score: Callable | None = None   # score(draw, step) -> what the trainer keeps of a scored batch
+        self._scoring: ThreadPoolExecutor | None = None
+        self.score_wait_s = 0.0
         self.sync_s = 0.0  # the last weight load's export + hand-over, on the driver's clock
         threads = max(1, usable_cpus() // (cfg.trainer.nprocs + 1))
         gpus, env = rollout_worker_gpus(workers, ray.cluster_resources().get("GPU", 0)), rank_env(threads)
@@ -88,9 +101,18 @@ class RolloutAhead:
         get(self.actor.setup.remote(model_path, vocab, weights, version, device), self.timeout,
             "the rollout worker to start")
 
+    def score_with(self, score: Callable) -> None:
+        """Score each queued batch with ``score(draw, step)`` on a driver thread as soon as the
+        worker returns it (one thread: batches are scored in the order they were asked for, and
+        reward functions are never called by two threads at once)."""
+        self._score = score
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-score-ahead")
+
     def shutdown(self) -> None:
         import ray
 
+        if self._scoring is not None:
+            self._scoring.shutdown(wait=True, cancel_futures=True)
         try:
             get(self.actor.shutdown.remote(), 30, "the rollout worker to stop")
         except Exception:
@@ -98,20 +120,38 @@ class RolloutAhead:
         ray.kill(self.actor)
 
     # ---- the schedule ------------------------------------------------------------------------
-    def take(self, k: int) -> tuple[list[int], int, SequenceBatch, dict]:
-        """The next ``k`` prompts' batch: the one queued when it has ``k`` prompts, else sampled now.
-        Returns (prompt indices, samples seen once drawn, batch, stats with ``version``)."""
+    def take(self, k: int, step: int = 0) -> tuple[list[int], int, SequenceBatch, dict, object]:
+        """The next ``k`` prompts' batch for ``step``: the one queued when it has ``k`` prompts,
+        else sampled now. Returns (prompt indices, samples seen once drawn, batch, stats with
+        ``version``, what ``score`` returned for it at ``step`` or None: not scored yet)."""
         if self.queue and len(self.queue[0].indices) == k:
             d = self.queue.pop(0)
         else:
             d = self._ask(k)
+        self.score_wait_s = 0.0  # what this take waited for the batch's scoring to finish
+        scored, t0 = None, time.perf_counter()
+        if d.scoring is not None:
+            wait_all([d.scoring])
+            self.score_wait_s = max(0.0, time.perf_counter() - max(t0, d.arrived))  # from the batch's arrival
+            d.wait(self.timeout)  # the scoring thread's own wait failed: the error, here
+            scored = d.scoring.result() if d.for_step == step else None  # a reward error is raised here
         d.wait(self.timeout)
-        return d.indices, d.samples_seen, d.batch, d.stats
+        return d.indices, d.samples_seen, d.batch, d.stats, scored
 
-    def queue_ahead(self) -> None:
-        """Ask for the batches of the next ``ahead`` steps (sampled while the ranks update)."""
+    def queue_ahead(self, step: int = 0) -> None:
+        """Ask for the batches of the next ``ahead`` steps after ``step`` (sampled while the ranks
+        update), each scored as soon as it arrives when ``score_with`` was given a scorer."""
         while len(self.queue) < self.ahead:
-            self.queue.append(self._ask(self.cfg.data.train_batch_size))
+            d = self._ask(self.cfg.data.train_batch_size)
+            self.queue.append(d)
+            if self._score is not None and step:
+                d.for_step = step + len(self.queue)
+                d.scoring = self._scoring.submit(self._score_when_sampled, d)
+
+    def _score_when_sampled(self, d: Draw):
+        d.wait(self.timeout)
+        d.arrived = time.perf_counter()
+        return self._score(d, d.for_step)
 
     def _ask(self, k: int) -> Draw:
         idx = self.stream.next_indices(k)
@@ -133,6 +173,8 @@ class RolloutAhead:
         """The queued batches (waited for) and the worker's sampling generator after them."""
         rows = []
         for d in self.queue:
+            if d.scoring is not None:
+                wait_all([d.scoring])  # the scoring thread is done with it (its rewards are not saved)
             d.wait(self.timeout)
             rows.append({"indices": list(d.indices), "samples_seen": d.samples_seen, "stats": dict(d.stats),
                          "batch": {name: getattr(d.batch, name) for name in d.batch.tensor_fields()}})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -208,6 +208,7 @@ def start_rollout_ahead(cfg: RunConfig, inputs: RunInputs, workers, stream: Prom
     from engine.trainer.rollout_ahead import RolloutAhead
 
     ahead = RolloutAhead(cfg, workers, stream, inputs.train_prompts)
+    ahead.score_with(lambda d, step: score_rollout(cfg, inputs, stream.n, d.indices, d.samples_seen, d.batch, step))
     try:
         ahead.start(workers.model_path, inputs.vocab, start_step)
         if resume is not None:
@@ -245,7 +246,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     if ahead is not None:  # each row's age, for the loss's clip against the weights that sampled it
         batch.versions_behind = versions_behind(ro.versions, step, batch.response_mask)
     if ahead is not None:  # the next steps' rollouts run on the rollout worker during this update
-        ahead.queue_ahead()
+        ahead.queue_ahead(step)
 
     # 3. reference log-probs (KL), then advantages (the estimator algorithm.name names)
     t = time.perf_counter()
@@ -363,42 +364,68 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     """The next ``k`` prompts, each sampled algorithm.rollout_n times, scored by the task's
     functions (engine/rewards: serially or in a process pool; with each response's token ids and
     where training is, for functions that ask); adds to ``timing`` (rollout, reward),
-    ``gen_stats`` (per rank) and ``scores`` (engine.rewards.compute.RewardScores per draw)."""
-    import torch
-
+    ``gen_stats`` (per rank) and ``scores`` (engine.rewards.compute.RewardScores per draw).
+    A batch the rollout worker sampled ahead was usually scored while the ranks updated
+    (rollout_ahead.py): ``reward`` is then what the step still waited for, ``reward_ahead`` the
+    scoring's own time."""
     from engine.algorithms.dynamic_sampling import Rollout
 
     t = time.perf_counter()
     n = cfg.algorithm.rollout_n
+    pre = None
     if ahead is None:  # the ranks sample with the weights they train (sync)
         idx = stream.next_indices(k)
         seen, version = stream.pos.samples_seen, step - 1
         batch, stats = generate_turns(inputs, workers, [inputs.train_prompts[i] for i in idx], n, idx=idx)
     else:  # the rollout worker's batch, queued earlier or sampled now (engine/trainer/rollout_ahead.py)
-        idx, seen, batch, one = ahead.take(k)
+        idx, seen, batch, one, pre = ahead.take(k, step)
         version, stats = one["version"], [one]
         # what the step waited for it; "rollout" stays the sampling's own time (tokens/s)
-        timing["rollout_wait"] = timing.get("rollout_wait", 0.0) + time.perf_counter() - t
+        timing["rollout_wait"] = timing.get("rollout_wait", 0.0) + time.perf_counter() - t - ahead.score_wait_s
+        timing["reward"] = timing.get("reward", 0.0) + ahead.score_wait_s  # its scoring, not yet done
         t = time.perf_counter() - one["time"]
-    examples = [inputs.task.train[i] for i in idx]
     gen_stats += stats
     timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t
 
     t = time.perf_counter()
+    if pre is not None:
+        timing["reward_ahead"] = timing.get("reward_ahead", 0.0) + pre.seconds
+    else:
+        pre = score_rollout(cfg, inputs, stream.n, idx, seen, batch, step)
+    scores.append(pre.scored)
+    timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
+    return Rollout(batch, pre.rewards, pre.scored.correct, pre.examples, versions=[version] * len(batch))
+
+
+@dataclass
+class ScoredRollout:
+    """One batch's rewards: the task's scores (plus an environment's own), and what scoring took."""
+
+    scored: object            # engine.rewards.compute.RewardScores
+    rewards: object           # [B] float32 tensor
+    examples: list
+    seconds: float
+
+
+def score_rollout(cfg: RunConfig, inputs: RunInputs, prompts: int, idx: list[int], seen: int, batch,
+                  step: int) -> ScoredRollout:
+    """The rewards of ``batch`` (the prompts ``idx``, drawn when ``seen`` samples had been) for
+    ``step``: reward functions that ask see the trainer state before ``step``'s update."""
+    import torch
+
+    t = time.perf_counter()
+    examples = [inputs.task.train[i] for i in idx]
     responses, ids = decode_responses(inputs.tokenizer, batch), response_token_ids(batch)
     agent = batch.extras.get("agent")
     if agent is not None:  # multi-turn: the task scores the model's last turn
         responses = agent["responses"]
-    state = reward_state(cfg, stream.n, seen, completed_steps=step - 1)
+    state = reward_state(cfg, prompts, seen, completed_steps=step - 1)
     with oom_guard("reward", None, step):
-        scored = inputs.rewards.score(samples_of(examples, responses, n, ids), state)
-    scores.append(scored)
+        scored = inputs.rewards.score(samples_of(examples, responses, cfg.algorithm.rollout_n, ids), state)
     rewards = torch.tensor(scored.total, dtype=torch.float32)
     if agent is not None:  # an environment's own rewards join the task's
         rewards += torch.tensor([r or 0.0 for r in agent["env_rewards"]], dtype=torch.float32)
-    correct = scored.correct
-    timing["reward"] = timing.get("reward", 0.0) + time.perf_counter() - t
-    return Rollout(batch, rewards, correct, examples, versions=[version] * len(batch))
+    return ScoredRollout(scored, rewards, examples, time.perf_counter() - t)
 
 
 def generate_turns(inputs: RunInputs, workers, prompts: list[list[int]], n: int, greedy: bool = False, idx=None):
