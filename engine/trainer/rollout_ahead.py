@@ -144,8 +144,8 @@ class RolloutAhead:
         while len(self.queue) < self.ahead:
             d = self._ask(self.cfg.data.train_batch_size)
             self.queue.append(d)
-            if self._score is not None and step:
-                d.for_step = step + len(self.queue)
+            if self._score is not None and step and step + len(self.queue) <= self.cfg.trainer.total_steps:
+                d.for_step = step + len(self.queue)  # (a batch past the last step is kept for a resume, not scored)
                 d.scoring = self._scoring.submit(self._score_when_sampled, d)
 
     def _score_when_sampled(self, d: Draw):
