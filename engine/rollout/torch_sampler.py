@@ -421,17 +421,17 @@ def _run_lanes(decode, jobs: list) -> list:
         torch.set_num_threads(threads)
 
 
-_LANES: list = []  # the process's decode-lane pool, kept between rollouts
+_LANES: dict = {}  # the process's decode-lane pool, kept between rollouts: {"size": n, "pool": executor}
 
 
 def _lane_pool(lanes: int) -> ThreadPoolExecutor:
     """A pool of at least ``lanes`` threads, made once and reused: a pool per rollout started and
     joined two threads every step (thread churn a soak's thread count sampled as noise)."""
-    if not _LANES or _LANES[0]._max_workers < lanes:
+    if _LANES.get("size", 0) < lanes:
         if _LANES:
-            _LANES.pop().shutdown(wait=False)
-        _LANES.append(ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="rl-decode-lane"))
-    return _LANES[0]
+            _LANES["pool"].shutdown(wait=False)
+        _LANES.update(size=lanes, pool=ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="rl-decode-lane"))
+    return _LANES["pool"]
 
 
 def _recording(model, on: bool):

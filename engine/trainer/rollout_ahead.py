@@ -133,9 +133,9 @@ class RolloutAhead:
         if d.scoring is not None:
             wait_all([d.scoring])
             self.score_wait_s = max(0.0, time.perf_counter() - max(t0, d.arrived))  # from the batch's arrival
-            d.wait(self.timeout)  # the scoring thread's own wait failed: the error, here
-            scored = d.scoring.result() if d.for_step == step else None  # a reward error is raised here
-        d.wait(self.timeout)
+        d.wait(self.timeout)  # (when the scoring thread's own wait failed: its error, raised here)
+        if d.scoring is not None and d.for_step == step:
+            scored = d.scoring.result()  # a reward error is raised here
         return d.indices, d.samples_seen, d.batch, d.stats, scored
 
     def queue_ahead(self, step: int = 0) -> None:
