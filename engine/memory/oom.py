@@ -267,7 +267,7 @@ def answer(err: OutOfMemory, cfg, run_dir: Path, where: str = "") -> OutOfMemory
     if fix is not None:
         fix_args = " ".join(fix.overrides)
         parts.append(f"Top fix from the memory estimate (`rl mem-report`): {fix.name}, `{fix_args}` ({fix.why}; "
-                     f"estimated per-rank peak -{_gib(fix.bytes_saved)}).")
+                     f"lowers the estimated per-rank peak by {_gib(fix.bytes_saved)}).")
     else:
         parts.append("See `rl mem-report` with this run's overrides for where the memory goes and what lowers it.")
     if err.kind == "device":

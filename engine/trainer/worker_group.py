@@ -83,6 +83,7 @@ class WorkerGroup:
         self.timeout = cfg.trainer.ray_timeout_s
         self.bytes_sent = self.bytes_received = 0
         self.placement, self.info, self._closed = [], [], False
+        self.busy: set[int] = set()  # ranks still inside a call that failed elsewhere (_collect)
         self.oom_kills_at_start = cgroup_oom_kills()  # a rank the kernel kills for memory raises it
         t = cfg.trainer
         n = t.nprocs
@@ -161,10 +162,24 @@ class WorkerGroup:
             return f"rank {i}"
         return f"rank {i} on node {p['node_ip']} (node id {p['node_id'][:12]}, host {p['hostname']})"
 
-    def _collect(self, refs: list, what: str) -> list:
-        """Results of one call per rank, in rank order. A rank lost mid-call (its process or
-        node died) ends the run with RankLost naming it; a rank that fails because a peer died
-        (a broken collective) is reported as that peer's loss."""
+    def _collect(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
+        """Results of one call per rank (``ranks``: whose call each ref is, default 0, 1, ...), in
+        rank order. A rank lost mid-call (its process or node died) ends the run with RankLost
+        naming it; a rank that fails because a peer died (a broken collective) is reported as that
+        peer's loss. When the call fails, the ranks whose call has not returned are remembered as
+        busy: a rank waiting in a collective for a peer that raised never reads another call, so
+        shutdown() kills it instead of asking it to shut down."""
+        import ray
+
+        try:
+            return self._results(refs, what)
+        except BaseException:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            ranks = list(range(len(refs))) if ranks is None else ranks
+            self.busy.update(ranks[refs.index(r)] for r in pending)
+            raise
+
+    def _results(self, refs: list, what: str) -> list:
         import ray
         from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
@@ -210,7 +225,7 @@ class WorkerGroup:
         import ray
 
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
-        self._collect(refs[1:], what)
+        self._collect(refs[1:], what, ranks=list(range(1, len(refs))))
         if len(ready) < len(refs):
             raise timeout_error(self.timeout, what)
 
@@ -346,9 +361,9 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        if graceful:
+        if graceful:  # a busy rank (waiting in a collective for a peer that failed) would hold this for 30 s
             try:
-                get([a.shutdown.remote() for a in self.actors], 30, "shutdown")
+                get([a.shutdown.remote() for i, a in enumerate(self.actors) if i not in self.busy], 30, "shutdown")
             except Exception:
                 pass
         for a in self.actors:
