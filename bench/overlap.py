@@ -3,11 +3,15 @@
     OMP_NUM_THREADS=2 python bench/overlap.py                       # default job + the hidden-256 shape
     OMP_NUM_THREADS=2 python bench/overlap.py --jobs default --steps 30 --modes sync one_step_off
     python bench/overlap.py --jobs shape256 --rl-extra rollout=vllm  # vLLM samples in its own process
+    # a slow reward scored chunk by chunk while the ranks sample (trainer.stream_groups), against sync
+    # with the same chunks:
+    python bench/overlap.py --jobs shape256 --modes sync sync_stream --reward-sleep-ms 4 --rl-extra rollout.micro_batch_size=16
 
 Each (job, mode) is one real `rl train`; the figures are medians over its steps after the first two
 (start-up and the first rollout, which nothing can overlap, left out): the step's wall time, the
 rollout's own sampling time, the time the step waited for a queued rollout (`rollout_wait`), the
-update, the weight export to the rollout worker, and the ratio of the step time to sync's measured
+time it waited for rewards (`reward`) and the scoring done while it did something else
+(`reward_ahead`), the update, the weight export to the rollout worker, and the ratio of the step time to sync's measured
 in the same invocation. `default` is `rl train`'s embedded job; `shape256` is bench/learning.py's
 `reverse` job (a 3.4M-parameter Llama, hidden 256, 8 prompts x 8 samples, 32 new tokens: the
 shape bench/vs_trl.py calls `base`)."""
@@ -27,7 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
-         "async2": ["trainer.mode=async", "trainer.max_staleness=2"]}
+         "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
+         "sync_stream": ["trainer.mode=sync", "trainer.stream_groups=true"]}
+SLOW_REWARD = """import time
+from learning_reward import rl_reward as _reward
+
+def slow_reward(prompt, response, answer):
+    time.sleep({ms} / 1000)  # a sandbox or a verifier's cost, per sample
+    return _reward(prompt, response, answer)
+"""
 
 
 def job_overrides(job: str, work: Path, steps: int) -> tuple[list[str], Path]:
@@ -40,10 +52,21 @@ def job_overrides(job: str, work: Path, steps: int) -> tuple[list[str], Path]:
     return rl_overrides(job_dir, work / "model", 0, steps), job_dir
 
 
+def slow_reward_overrides(job: str, cwd: Path, ms: float) -> list[str]:
+    """--reward-sleep-ms: the job's reward behind a per-sample sleep (shape256 only)."""
+    if ms <= 0:
+        return []
+    if job != "shape256":
+        raise SystemExit("--reward-sleep-ms wraps the shape256 job's reward function; use --jobs shape256")
+    (cwd / "slow_reward.py").write_text(SLOW_REWARD.format(ms=ms))
+    return ["task.reward_fn=slow_reward:slow_reward"]
+
+
 def run(job: str, mode: str, args, work: Path) -> dict:
     overrides, cwd = job_overrides(job, work, args.steps)
     run_dir = Path(tempfile.mkdtemp(prefix="rl-overlap-", dir="/tmp"))
     shutil.rmtree(run_dir)
+    overrides += slow_reward_overrides(job, cwd, args.reward_sleep_ms)
     cmd = [sys.executable, "-m", "rlcli.main", "train", *overrides, *MODES[mode], "checkpoint.save_final=false",
            "checkpoint.save_freq=0", f"checkpoint.dir={run_dir}", *args.rl_extra]
     t0 = time.perf_counter()
@@ -60,6 +83,8 @@ def run(job: str, mode: str, args, work: Path) -> dict:
     return {"job": job, "mode": mode, "wall_s": wall, "step_s": med(lambda r: r["step_time_s"]),
             "rollout_s": med(lambda r: r["timing"].get("rollout", 0.0)),
             "wait_s": med(lambda r: r["timing"].get("rollout_wait", r["timing"].get("rollout", 0.0))),
+            "reward_s": med(lambda r: r["timing"].get("reward", 0.0)),
+            "reward_ahead_s": med(lambda r: r["timing"].get("reward_ahead", 0.0)),
             "update_s": med(lambda r: r["timing"].get("update", 0.0)),
             "sync_s": med(lambda r: r["timing"].get("weight_sync", 0.0)),
             "reward_last5": statistics.mean(r["reward_mean"] for r in rows[-5:]),
@@ -72,6 +97,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rl-extra", nargs="*", default=[])
+    ap.add_argument("--reward-sleep-ms", type=float, default=0.0, help="shape256: the reward sleeps this long a sample")
     ap.add_argument("--work", default="/tmp/rl-overlap")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -83,7 +109,7 @@ def main() -> None:
             results.append(run(job, mode, args, work))
             r = results[-1]
             print(f"  {job:8s} {mode:13s} step {r['step_s']:.3f} s (rollout {r['rollout_s']:.3f}, waited "
-                  f"{r['wait_s']:.3f}, update {r['update_s']:.3f}, sync {r['sync_s']:.3f}), wall {r['wall_s']:.0f} s",
+                  f"{r['wait_s']:.3f}, reward waited {r['reward_s']:.3f} of {r['reward_ahead_s'] or r['reward_s']:.3f}, update {r['update_s']:.3f}, sync {r['sync_s']:.3f}), wall {r['wall_s']:.0f} s",
                   flush=True)
     print(f"\n{args.steps} steps; medians of steps 3..{args.steps}; extra: {' '.join(args.rl_extra) or '-'}")
     print(f"{'job':9s} {'mode':13s} {'s/step':>7s} {'vs sync':>8s} {'rollout':>8s} {'waited':>7s} {'update':>7s} "

@@ -1,8 +1,10 @@
-"""What sampling ahead of the update (trainer.mode=one_step_off|async) cannot be combined with,
-each refused with the reason and the fix (docs/async.md)."""
+"""What sampling ahead of the update (trainer.mode=one_step_off|async), and scoring the rollout as it
+streams in (trainer.stream_groups), cannot be combined with, each refused with the reason and the
+fix (docs/async.md)."""
 
 from __future__ import annotations
 
+from engine.config.lengths import is_multi_turn
 from engine.config.resolved import versions_ahead
 from engine.config.schema import RunConfig
 from engine.errors import ConfigError
@@ -22,3 +24,25 @@ def check_rollout_ahead(cfg: RunConfig) -> None:
             f"nothing under `{mode}`: PPO's ratio is then already against the sampler's log-probs, so the weight "
             f"pi_old / pi_rollout is 1. Set algorithm.off_policy_ratio=proximal for decoupled PPO with the truncated "
             f"weight, or drop algorithm.rollout_is.", title="invalid config")
+
+
+def check_stream_groups(cfg: RunConfig) -> None:
+    """trainer.stream_groups scores the chunks the torch sampler yields on the ranks (sync mode)."""
+    why = None
+    if cfg.trainer.mode != "sync":
+        why = (f"`trainer.mode={cfg.trainer.mode}` already scores each batch the rollout worker returns while "
+               f"the ranks update; streaming chunks of it is not built. Drop trainer.stream_groups, or use "
+               f"trainer.mode=sync")
+    elif cfg.rollout.name != "torch":
+        why = (f"`rollout={cfg.rollout.name}` samples the whole batch in one engine call, so there is no chunk to "
+               f"score early. Use rollout=torch, or drop trainer.stream_groups")
+    elif is_multi_turn(cfg):
+        why = ("multi-turn rollouts (tools or an environment) are scored once the conversation ends. Drop "
+               "trainer.stream_groups")
+    elif cfg.rollout.micro_batch_size % cfg.algorithm.rollout_n:
+        n = cfg.algorithm.rollout_n
+        why = (f"it streams each prompt group as its samples end, and rollout.micro_batch_size="
+               f"{cfg.rollout.micro_batch_size} splits groups of algorithm.rollout_n={n} across chunks. Set "
+               f"rollout.micro_batch_size to 0 (every row at once) or a multiple of {n}")
+    if why:
+        raise ConfigError(f"`trainer.stream_groups=true` cannot be used here: {why}.", title="invalid config")

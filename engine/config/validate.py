@@ -408,6 +408,10 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
             raise ConfigError(f"`{what}` (multi-turn rollouts) with `algorithm.router_replay="
                               f"{cfg.algorithm.router_replay}` is not supported: tool tokens have no routing "
                               f"record. Set algorithm.router_replay=off.", title="invalid config")
+    if cfg.trainer.stream_groups:
+        from engine.config.async_rules import check_stream_groups
+
+        check_stream_groups(cfg)
     if cfg.trainer.mode != "sync":
         from engine.config.async_rules import check_rollout_ahead
 

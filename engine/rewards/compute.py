@@ -72,6 +72,20 @@ class RewardScores:
     per_sample_fn: dict[str, list] = field(default_factory=dict)  # None where a function returned None
     unscored: list[int] = field(default_factory=list)  # samples for which every reward function returned None
 
+    @staticmethod
+    def concat(parts: list["RewardScores"]) -> "RewardScores":
+        """The scores of consecutive sample sets as one (trainer.stream_groups scores a rollout chunk by
+        chunk): per-sample lists joined, indices shifted, each function's mean taken over all samples."""
+        if len(parts) == 1:
+            return parts[0]
+        names = list(parts[0].per_sample_fn)
+        raw = {name: [v for p in parts for v in p.per_sample_fn[name]] for name in names}
+        offsets = [sum(len(q.total) for q in parts[:i]) for i in range(len(parts))]
+        correct = None if any(p.correct is None for p in parts) else [c for p in parts for c in p.correct]
+        return RewardScores([t for p in parts for t in p.total], {name: _mean(raw[name]) for name in names}, correct,
+                            [f for p in parts for f in p.failures], raw,
+                            [o + i for o, p in zip(offsets, parts) for i in p.unscored])
+
 
 def _short(prompt: object, n: int = 80) -> str:
     if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):

@@ -128,9 +128,17 @@ class TorchSampler(Sampler):
     def _stops(self, dev) -> torch.Tensor:
         return torch.tensor([self.eos, *self.stop_token_ids], device=dev)
 
-    @torch.no_grad()
     def generate(self, model, prompts: list[list[int]], n: int, generator: torch.Generator,
                  greedy: bool = False) -> SequenceBatch:
+        parts = [piece for _, piece in self.generate_pieces(model, prompts, n, generator, greedy)]
+        return SequenceBatch.concat(parts, self.pad) if len(parts) > 1 else parts[0]
+
+    def generate_pieces(self, model, prompts: list[list[int]], n: int, generator: torch.Generator,
+                        greedy: bool = False, stream: bool = False):
+        """``generate``'s rows as ``(first row, SequenceBatch)`` pieces: each chunk of
+        rollout.micro_batch_size rows, in order; with ``stream`` (trainer.stream_groups) each prompt
+        group as soon as all its samples have ended, in the order they end, while the other rows
+        decode. Sorted by first row and concatenated, the pieces are exactly ``generate``'s batch."""
         rows = [p for p in prompts for _ in range(n)]
         chunk = self.cfg.micro_batch_size or len(rows)
         if self.fast and chunk >= n:  # whole prompt groups per chunk, so groups share their prefill
@@ -142,17 +150,28 @@ class TorchSampler(Sampler):
         self.last_kv_cache_bytes = 0
         self.last_lanes = 1
         with _recording(model, self.record_routing) as recorder:
-            parts = [self._generate_chunk(model, rows[i:i + chunk], generator, greedy, recorder)
-                     if not self.fast else
-                     self._generate_fast_chunk(model, rows[i:i + chunk], noise[i:i + chunk] if noise is not None
-                                               else None, recorder)
-                     for i in range(0, len(rows), chunk)]
-        return SequenceBatch.concat(parts, self.pad) if len(parts) > 1 else parts[0]
+            for i in range(0, len(rows), chunk):
+                if not self.fast:
+                    with torch.no_grad():
+                        yield i, self._generate_chunk(model, rows[i:i + chunk], generator, greedy, recorder)
+                    continue
+                # grad mode is set around each step of the chunk's generator, never across a yield
+                pieces = self._generate_fast_chunk(model, rows[i:i + chunk], noise[i:i + chunk]
+                                                   if noise is not None else None, recorder, n if stream else 0)
+                while True:
+                    with torch.no_grad():
+                        item = next(pieces, None)
+                    if item is None:
+                        break
+                    yield i + item[0], item[1]
 
     # ---- the fast path ------------------------------------------------------------------------
     def _generate_fast_chunk(self, model, rows: list[list[int]], noise: torch.Tensor | None,
-                             recorder=None) -> SequenceBatch:
-        """One chunk of rows: one prefill per distinct prompt, then decode lanes (or one)."""
+                             recorder=None, stream: int = 0):
+        """One chunk of rows: one prefill per distinct prompt, then decode lanes (or one). Yields
+        ``(first row, SequenceBatch)``: the whole chunk, or with ``stream`` = n each group of n rows
+        (one prompt's samples) as it ends (the eager decode; CUDA-graph decoding and routing
+        records yield the whole chunk)."""
         dev, B = self.device, len(rows)
         uniq, owner = [], []
         for r in rows:  # distinct prompts (consecutive runs of the same prompt) and, per row, its prompt
@@ -193,7 +212,18 @@ class TorchSampler(Sampler):
         jobs = [(decoders[j], logits[lane.to(dev)], None if noise is None else noise[lane.to(dev)])
                 for j, lane in enumerate(lanes)]
         decode = self._decode_static if self.static_shapes else self._decode
-        if len(jobs) == 1:
+        streamed = stream > 0 and not self.static_shapes and recorder is None
+        groups = [(g, min(g + stream, B)) for g in range(0, B, stream)] if streamed else []
+        emitted: set[int] = set()
+        if streamed:
+            stream_out: list = []
+            for item in self._decode_streaming(jobs, lanes, groups, stream_out):
+                g, tok, lp, ln = item
+                emitted.add(g)
+                s0, s1 = groups[g]
+                yield s0, self._to_right_padded(rows[s0:s1], tok, lp, ln)
+            results = stream_out
+        elif len(jobs) == 1:
             results = [decode(*jobs[0])]
         else:
             results = _run_lanes(decode, jobs)
@@ -209,8 +239,58 @@ class TorchSampler(Sampler):
         routing = None
         if recorder is not None:
             routing = (prompt_rec.cpu(), [P - len(r) for r in uniq], owner, resp_rec[:, :steps].cpu())
-        return self._to_right_padded(rows, tokens[:, :steps], logps[:, :steps], lengths.clamp(max=steps),
-                                     routing=routing)
+        if not streamed:
+            yield 0, self._to_right_padded(rows, tokens[:, :steps], logps[:, :steps], lengths.clamp(max=steps),
+                                           routing=routing)
+            return
+        for g, (s0, s1) in enumerate(groups):  # the groups still decoding when the lanes stopped
+            if g not in emitted:
+                ln = lengths[s0:s1].clamp(max=steps)
+                w = int(ln.max())
+                yield s0, self._to_right_padded(rows[s0:s1], tokens[s0:s1, :w], logps[s0:s1, :w], ln)
+
+    def _decode_streaming(self, jobs: list, lanes: list, groups: list, results: list):
+        """The lanes decoding on the lane pool while this thread yields ``(group, tokens, log-probs,
+        lengths)`` for each prompt group whose samples have all ended; ``results`` then receives
+        each lane's ``_decode`` result (for the groups still live at the last step)."""
+        import queue
+
+        ended: queue.SimpleQueue = queue.SimpleQueue()
+        threads = torch.get_num_threads()
+        group_of = {r: g for g, (s0, s1) in enumerate(groups) for r in range(s0, s1)}
+        left = [s1 - s0 for s0, s1 in groups]
+        done: dict[int, tuple] = {}
+
+        def lane(j, job):
+            torch.set_num_threads(1 if len(jobs) > 1 else threads)  # as _run_lanes; one lane keeps them all
+            with torch.no_grad():
+                return self._decode(*job, on_ended=lambda r, t, lp, n: ended.put((j, r, t, lp, n)))
+
+        futures = [_lane_pool(len(jobs)).submit(lane, j, job) for j, job in enumerate(jobs)]
+        try:
+            while True:
+                try:
+                    j, local, tok, lp, n = ended.get(timeout=0.01)
+                except queue.Empty:
+                    if all(f.done() for f in futures) and ended.empty():
+                        break
+                    continue
+                for k, li in enumerate(local.tolist()):
+                    row = int(lanes[j][li])
+                    done[row] = (tok[k], lp[k], n)
+                    g = group_of[row]
+                    left[g] -= 1
+                    if left[g] == 0:
+                        s0, s1 = groups[g]
+                        w = max(done[r][2] for r in range(s0, s1))
+                        t = torch.full((s1 - s0, w), self.pad, dtype=torch.long)
+                        p = torch.zeros((s1 - s0, w))
+                        for i, r in enumerate(range(s0, s1)):
+                            t[i, :done[r][2]], p[i, :done[r][2]] = done[r][0], done[r][1]
+                        yield g, t, p, torch.tensor([done[r][2] for r in range(s0, s1)])
+        finally:
+            results.extend(f.result() for f in futures)  # a lane's error surfaces here
+            torch.set_num_threads(threads)
 
     def _lanes(self, owner: list[int]) -> list[torch.Tensor]:
         """Rows of each decode lane: whole prompt groups, as even as the groups allow."""
@@ -236,10 +316,11 @@ class TorchSampler(Sampler):
         lanes.append(cur)
         return [torch.tensor(x, dtype=torch.long) for x in lanes if x]
 
-    def _decode(self, steps, logits: torch.Tensor, noise: torch.Tensor | None):
+    def _decode(self, steps, logits: torch.Tensor, noise: torch.Tensor | None, on_ended=None):
         """Sample every token of these rows; ``steps`` feeds a token and returns the next logits
         (StaticDecode or _ModelSteps). Returns (tokens [b, N], log-probs [b, N], lengths [b],
-        steps taken, largest KV cache bytes)."""
+        steps taken, largest KV cache bytes). ``on_ended(rows, tokens, log-probs, length)``: called
+        (on this thread) with the rows that just ended and their final tokens (trainer.stream_groups)."""
         dev, N = logits.device, self.cfg.max_new_tokens
         b = logits.shape[0]
         tokens = torch.full((b, N), self.pad, dtype=torch.long, device=dev)
@@ -264,6 +345,9 @@ class TorchSampler(Sampler):
                 if bool(ended.any()):  # finished rows leave the batch
                     rows_now = torch.arange(b, device=dev) if live is None else live
                     lengths[rows_now[ended]] = t + 1
+                    if on_ended is not None:
+                        done = rows_now[ended]
+                        on_ended(done.cpu(), tokens[done, :t + 1].cpu(), logps[done, :t + 1].cpu(), t + 1)
                     keep_rows = (~ended).nonzero().squeeze(-1)
                     if keep_rows.numel() == 0:
                         break

@@ -373,6 +373,16 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     t = time.perf_counter()
     n = cfg.algorithm.rollout_n
     pre = None
+    if ahead is None and cfg.trainer.stream_groups:  # sync, each chunk scored as it arrives
+        idx = stream.next_indices(k)
+        seen, version = stream.pos.samples_seen, step - 1
+        batch, stats, pre, waited = streamed_rollout(cfg, inputs, workers, stream.n, idx, seen, step)
+        gen_stats += stats
+        timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t - waited
+        timing["reward"] = timing.get("reward", 0.0) + waited  # what scoring still took after the last chunk
+        timing["reward_ahead"] = timing.get("reward_ahead", 0.0) + pre.seconds
+        scores.append(pre.scored)
+        return Rollout(batch, pre.rewards, pre.scored.correct, pre.examples, versions=[version] * len(batch))
     if ahead is None:  # the ranks sample with the weights they train (sync)
         idx = stream.next_indices(k)
         seen, version = stream.pos.samples_seen, step - 1
@@ -426,6 +436,36 @@ def score_rollout(cfg: RunConfig, inputs: RunInputs, prompts: int, idx: list[int
     if agent is not None:  # an environment's own rewards join the task's
         rewards += torch.tensor([r or 0.0 for r in agent["env_rewards"]], dtype=torch.float32)
     return ScoredRollout(scored, rewards, examples, time.perf_counter() - t)
+
+
+def streamed_rollout(cfg: RunConfig, inputs: RunInputs, workers, prompts: int, idx: list[int], seen: int,
+                     step: int):
+    """trainer.stream_groups: the ranks sample ``idx``'s prompts chunk by chunk and each chunk is
+    scored (score_rollout, on a driver thread) as soon as it arrives, while the ranks sample the
+    next. Returns the batch (the chunks in prompt order: ``generate``'s batch), the ranks' stats,
+    the whole batch's ScoredRollout and the seconds scoring still took after the last chunk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from engine.batch import SequenceBatch
+    from engine.rewards.compute import RewardScores
+
+    n = cfg.algorithm.rollout_n
+    stats: list = []
+    parts: list = []  # (position of the chunk's first prompt, chunk, its scoring)
+    with ThreadPoolExecutor(1, thread_name_prefix="rl-score-stream") as pool:
+        for pos, chunk in workers.generate_stream([inputs.train_prompts[i] for i in idx], n, stats):
+            sub = idx[pos:pos + len(chunk) // n]
+            parts.append((pos, chunk, pool.submit(score_rollout, cfg, inputs, prompts, sub, seen, chunk, step)))
+        t = time.perf_counter()
+        parts.sort(key=lambda p: p[0])
+        scored = [p[2].result() for p in parts]  # a reward function's error surfaces here
+        waited = time.perf_counter() - t
+    batch = SequenceBatch.concat([p[1] for p in parts], inputs.vocab["pad"]) if len(parts) > 1 else parts[0][1]
+    whole = ScoredRollout(RewardScores.concat([s.scored for s in scored]), torch.cat([s.rewards for s in scored]),
+                          [e for s in scored for e in s.examples], sum(s.seconds for s in scored))
+    return batch, stats, whole, waited
 
 
 def generate_turns(inputs: RunInputs, workers, prompts: list[list[int]], n: int, greedy: bool = False, idx=None):

@@ -181,10 +181,7 @@ class RankWorker:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
         t0 = time.perf_counter()
-        if self._max_threads:
-            adapt_threads(self._max_threads)
-        if self._weights_stale:
-            self.sync_weights()
+        self._before_rollout()
         with self.tracker.phase("rollout", self.step) as t:
             if self.sampler.reads_live_model:
                 with self.engine.generation_model() as model:
@@ -199,8 +196,30 @@ class RankWorker:
                 t.note(f"vllm: kv cache {m['kv_cache_bytes']} B, engine processes rss {m['engine_rss_bytes']} B"
                        + (f", outside torch {m['outside_torch_bytes']} B" if "outside_torch_bytes" in m else ""))
         self.sampler.sleep()  # vLLM on GPU: free its KV cache and weights until the next sync
-        return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
-                       "rss_peak": rss_peak_bytes()}
+        return batch, self._rollout_stats(t0)
+
+    def generate_stream(self, prompts: list[list[int]], n: int):
+        """trainer.stream_groups: ``generate``'s batch from the torch sampler as ``(first row,
+        SequenceBatch)`` pieces, each prompt group yielded as soon as all its samples have ended, so
+        the driver scores it while the other rows decode; the last item is the call's stats.
+        Called as a Ray streaming generator (WorkerGroup.generate_stream)."""
+        t0 = time.perf_counter()
+        self._before_rollout()
+        with self.tracker.phase("rollout", self.step) as t:
+            with self.engine.generation_model() as model:
+                yield from self.sampler.generate_pieces(model, prompts, n, self.generator, stream=True)
+            t.record_bytes("kv_cache", self.sampler.last_kv_cache_bytes)
+        yield self._rollout_stats(t0)
+
+    def _before_rollout(self) -> None:
+        if self._max_threads:
+            adapt_threads(self._max_threads)
+        if self._weights_stale:
+            self.sync_weights()
+
+    def _rollout_stats(self, t0: float) -> dict:
+        return {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
+                "rss_peak": rss_peak_bytes()}
 
     def sync_weights(self) -> float:
         """Push the updated policy into the rollout engine (vLLM; a collective on FSDP, so

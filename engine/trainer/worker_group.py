@@ -262,6 +262,39 @@ class WorkerGroup:
         stats = [o[1] for o in out]
         return SequenceBatch.concat(parts), stats
 
+    def generate_stream(self, prompts: list[list[int]], n: int, stats: list):
+        """trainer.stream_groups: ``generate``'s rows as the ranks sample them, each prompt group as
+        soon as all its samples have ended, in whatever order they end: yields ``(first prompt's
+        position in prompts, SequenceBatch)``. Sorted by position and concatenated, the pieces are
+        ``generate``'s batch. ``stats`` receives each rank's rollout record once every rank is done."""
+        import ray
+
+        slices = shard_slices(len(prompts), self.dp_size)
+        shards = [prompts[s] for s in slices]
+        args = [(shards[inf["dp_rank"]] or prompts[:1], n) for inf in self.info]
+        self.bytes_sent += sum(wire_bytes(a) for a in args)
+        streams = {a.generate_stream.options(num_returns="streaming").remote(*x): r
+                   for r, (a, x) in enumerate(zip(self.actors, args))}
+        leaders = {self.dp_leaders[d]: slices[d].start for d in range(self.dp_size) if len(shards[d])}
+        per_rank: dict[int, dict] = {}
+        while streams:
+            ready, _ = ray.wait(list(streams), num_returns=1, timeout=self.timeout)
+            if not ready:
+                raise timeout_error(self.timeout, "rollout")
+            r = streams[ready[0]]
+            try:
+                ref = next(ready[0])
+            except StopIteration:
+                del streams[ready[0]]
+                continue
+            item = self._collect([ref], "rollout", ranks=[r])[0]
+            if isinstance(item, dict):  # the rank's last item: its rollout record
+                per_rank[r] = item
+            elif r in leaders:  # a data-parallel group's piece (its other ranks' copies are dropped)
+                self.bytes_received += wire_bytes(item)
+                yield leaders[r] + item[0] // n, item[1]
+        stats.extend(per_rank[r] for r in range(len(self.actors)))
+
     def export_weights(self):
         """Rank 0's full policy weights (HF names) as a Ray object reference, every rank having
         taken part in the gather; the driver never pulls them (the rollout worker does)."""
