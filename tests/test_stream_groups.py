@@ -14,12 +14,12 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.load import load_run_config
-from engine.config.schema import ModelConfig, RolloutConfig
-from engine.model.build import build_hf_model
+from engine.config.schema import RolloutConfig
 from engine.errors import ConfigError
 from engine.rewards.compute import RewardFailure, RewardScores
 from engine.rollout.torch_sampler import TorchSampler
 from tests.cli_utils import rl_concurrently
+from tests.test_rollout_speed import EOS, PAD, model  # noqa: F401 - the tiny model whose rows end at different steps
 
 ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
 TRAINED = ("reward_mean", "accuracy", "pg_loss", "grad_norm", "entropy", "response_len_mean", "adv_std", "algo")
@@ -45,19 +45,7 @@ def _load(*overrides: str):
     return load_run_config(list(overrides))
 
 
-PAD, EOS, VOCAB = 0, 1, 12
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11, 3], [2], [5, 5], [7, 3, 9]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    m = build_hf_model(cfg, "", VOCAB, seed=3, pad_token_id=PAD, eos_token_id=EOS).eval()
-    with torch.no_grad():  # make EOS likely, so groups end at different steps
-        m.lm_head.weight[EOS] += 0.6 * m.lm_head.weight.std() * torch.randn(m.lm_head.weight.shape[1])
-    return m
 
 
 @pytest.mark.parametrize("lanes,chunk", [(1, 0), (2, 0), (3, 12), (1, 8)])
