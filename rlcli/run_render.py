@@ -96,7 +96,7 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
         elif isinstance(e, RunSummary):
             bar.close()  # the bar is erased; the summary stays
             out.print(summary_table(e))
-            chart = None if json_out else summary_chart(e.run_dir, out)  # --json: a script reads the JSON
+            chart = summary_chart(e.run_dir, out)
             if chart is not None:
                 out.print(chart)
         elif isinstance(e, Notice):

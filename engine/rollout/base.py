@@ -28,6 +28,12 @@ class Sampler(ABC):
                  generator: torch.Generator, greedy: bool = False) -> SequenceBatch:
         ...
 
+    def generate_pieces(self, model: torch.nn.Module | None, prompts: list[list[int]], n: int,
+                        generator: torch.Generator, greedy: bool = False, stream: bool = False):
+        """``generate``'s rows as ``(first row, SequenceBatch)`` pieces (trainer.stream_groups); a
+        sampler that cannot stream yields the whole batch as one piece."""
+        yield 0, self.generate(model, prompts, n, generator, greedy=greedy)
+
     def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> float:
         """Push new policy weights into the rollout engine; returns seconds spent.
         The torch sampler reads the live model, so this is a no-op there."""
