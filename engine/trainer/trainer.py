@@ -373,19 +373,18 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     t = time.perf_counter()
     n = cfg.algorithm.rollout_n
     pre = None
-    if ahead is None and cfg.trainer.stream_groups:  # sync, each chunk scored as it arrives
-        idx = stream.next_indices(k)
-        seen, version = stream.pos.samples_seen, step - 1
-        batch, stats, pre, waited = streamed_rollout(cfg, inputs, workers, stream.n, idx, seen, step)
-        gen_stats += stats
-        timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t - waited
-        timing["reward"] = timing.get("reward", 0.0) + waited  # what scoring still took after the last chunk
-        timing["reward_ahead"] = timing.get("reward_ahead", 0.0) + pre.seconds
-        scores.append(pre.scored)
-        return Rollout(batch, pre.rewards, pre.scored.correct, pre.examples, versions=[version] * len(batch))
     if ahead is None:  # the ranks sample with the weights they train (sync)
         idx = stream.next_indices(k)
         seen, version = stream.pos.samples_seen, step - 1
+    if ahead is None and cfg.trainer.stream_groups:  # each prompt group scored as it ends
+        batch, stats, pre, waited = streamed_rollout(cfg, inputs, workers, stream.n, idx, seen, step)
+        gen_stats += stats
+        timing["rollout"] = timing.get("rollout", 0.0) + time.perf_counter() - t - waited
+        timing["reward"] = timing.get("reward", 0.0) + waited  # what scoring still took after the last group
+        timing["reward_ahead"] = timing.get("reward_ahead", 0.0) + pre.seconds
+        scores.append(pre.scored)
+        return Rollout(batch, pre.rewards, pre.scored.correct, pre.examples, versions=[version] * len(batch))
+    if ahead is None:
         batch, stats = generate_turns(inputs, workers, [inputs.train_prompts[i] for i in idx], n, idx=idx)
     else:  # the rollout worker's batch, queued earlier or sampled now (engine/trainer/rollout_ahead.py)
         idx, seen, batch, one, pre = ahead.take(k, step)
@@ -440,10 +439,10 @@ def score_rollout(cfg: RunConfig, inputs: RunInputs, prompts: int, idx: list[int
 
 def streamed_rollout(cfg: RunConfig, inputs: RunInputs, workers, prompts: int, idx: list[int], seen: int,
                      step: int):
-    """trainer.stream_groups: the ranks sample ``idx``'s prompts chunk by chunk and each chunk is
-    scored (score_rollout, on a driver thread) as soon as it arrives, while the ranks sample the
-    next. Returns the batch (the chunks in prompt order: ``generate``'s batch), the ranks' stats,
-    the whole batch's ScoredRollout and the seconds scoring still took after the last chunk."""
+    """trainer.stream_groups: the ranks sample ``idx``'s prompts and hand over each prompt group as
+    it ends; each is scored (score_rollout, on a driver thread) as soon as it arrives, while the
+    rest decode. Returns the batch (the groups in prompt order: ``generate``'s batch), the ranks'
+    stats, the whole batch's ScoredRollout and the seconds scoring still took after the last group."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -453,11 +452,11 @@ def streamed_rollout(cfg: RunConfig, inputs: RunInputs, workers, prompts: int, i
 
     n = cfg.algorithm.rollout_n
     stats: list = []
-    parts: list = []  # (position of the chunk's first prompt, chunk, its scoring)
+    parts: list = []  # (position of the group's prompt, its rows, its scoring)
     with ThreadPoolExecutor(1, thread_name_prefix="rl-score-stream") as pool:
-        for pos, chunk in workers.generate_stream([inputs.train_prompts[i] for i in idx], n, stats):
-            sub = idx[pos:pos + len(chunk) // n]
-            parts.append((pos, chunk, pool.submit(score_rollout, cfg, inputs, prompts, sub, seen, chunk, step)))
+        for pos, rows in workers.generate_stream([inputs.train_prompts[i] for i in idx], n, stats):
+            sub = idx[pos:pos + len(rows) // n]
+            parts.append((pos, rows, pool.submit(score_rollout, cfg, inputs, prompts, sub, seen, rows, step)))
         t = time.perf_counter()
         parts.sort(key=lambda p: p[0])
         scored = [p[2].result() for p in parts]  # a reward function's error surfaces here
