@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 python bench/learning.py                              # every job, seeds 0-2, rl and TRL
     OMP_NUM_THREADS=2 python bench/learning.py --jobs reverse --seeds 0 1 2 3 4 5 --steps 60 --json out.json
     OMP_NUM_THREADS=2 python bench/learning.py --tools rl --rl-extra rollout.top_p=0.9
+    python bench/learning.py --curves sync=a.json one_step_off=b.json,c.json   # saved reports' curves side by side
 
 Each job is a random-init tiny Llama (3.4M parameters, fp32) with a byte-level BPE tokenizer built
 offline with ``tokenizers`` (vocab 512; ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2: pad, BOS and EOS all
@@ -309,11 +310,17 @@ def main() -> None:
     ap.add_argument("--rl-extra", nargs="*", default=[], help="extra `rl train` overrides")
     ap.add_argument("--smollm2-steps", type=int, default=8, help="steps of the smollm2 job (~20 s each on 2 cores)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--curves", nargs="+", default=[], metavar="LABEL=REPORT.json[,REPORT.json]",
+                    help="print no run: each labelled set of saved --json reports' seed-mean reward and length per "
+                         "step, side by side, per job (e.g. sync=a.json,b.json one_step_off=c.json)")
+    ap.add_argument("--every", type=int, default=3, help="--curves: print every N-th step")
     ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         return trl_worker(Path(args.trl_worker), args.seeds[0], args.steps, args.result, args.loss)
+    if args.curves:
+        return print_curves(args.curves, args.every)
 
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     work = Path(args.work)
@@ -372,6 +379,35 @@ def print_table(results: list[dict], args) -> None:
             print(f"{job:8s} {tool:4s} {statistics.median(r['reward_last10'] for r in rs):13.3f} "
                   f"{sum(r['stop_step'] is not None for r in rs):>4d}/{len(rs):<3d} "
                   f"{statistics.median(accs) if accs else float('nan'):15.3f}")
+
+
+def print_curves(specs: list[str], every: int) -> None:
+    """Learning curves beside each other: for each job, each label's mean over its seeds of the reward
+    and the response length at every ``every``-th step (1-based, as metrics.jsonl), from saved reports
+    (each label takes one tool's runs: the reports' rl runs, or TRL's when they hold no rl run)."""
+    sets: dict[str, list[dict]] = {}
+    for spec in specs:
+        label, _, files = spec.partition("=")
+        if not files:
+            raise SystemExit(f"--curves {spec!r}: write LABEL=REPORT.json[,REPORT.json...]")
+        results = [r for f in files.split(",") for r in json.loads(Path(f).read_text())["results"]]
+        tool = "rl" if any(r["tool"] == "rl" for r in results) else "trl"
+        sets[label] = [r for r in results if r["tool"] == tool]
+    for job in dict.fromkeys(r["job"] for rs in sets.values() for r in rs):
+        runs = {label: [r["series"] for r in rs if r["job"] == job] for label, rs in sets.items()}
+        runs = {label: series for label, series in runs.items() if series}
+        steps = min(len(s["reward"]) for series in runs.values() for s in series)
+        shown = [i for i in range(steps) if (i + 1) % every == 0 or i == 0]
+        seeds = ", ".join(f"{label} {len(series)}" for label, series in runs.items())
+        print(f"\n{job}: seed means (seeds: {seeds})")
+        print(f"{'step':>5s} " + " ".join(f"{label[:16]:>16s} rew   len" for label in runs))
+        for i in shown:
+            cells = []
+            for series in runs.values():
+                rew = statistics.mean(s["reward"][i] for s in series)
+                length = statistics.mean(s["length"][i] for s in series)
+                cells.append(f"{'':>16s} {rew:.3f} {length:5.1f}")
+            print(f"{i + 1:5d} " + " ".join(cells))
 
 
 def run_smollm2(args, threads: int) -> list[dict]:
