@@ -390,6 +390,9 @@ def print_curves(specs: list[str], every: int) -> None:
         label, _, files = spec.partition("=")
         if not files:
             raise SystemExit(f"--curves {spec!r}: write LABEL=REPORT.json[,REPORT.json...]")
+        missing = [f for f in files.split(",") if not Path(f).is_file()]
+        if missing:
+            raise SystemExit(f"--curves {label}: no report at {', '.join(missing)} (write it with --json)")
         results = [r for f in files.split(",") for r in json.loads(Path(f).read_text())["results"]]
         tool = "rl" if any(r["tool"] == "rl" for r in results) else "trl"
         sets[label] = [r for r in results if r["tool"] == tool]
