@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 python bench/learning.py                              # every job, seeds 0-2, rl and TRL
     OMP_NUM_THREADS=2 python bench/learning.py --jobs reverse --seeds 0 1 2 3 4 5 --steps 60 --json out.json
     OMP_NUM_THREADS=2 python bench/learning.py --tools rl --rl-extra rollout.top_p=0.9
+    OMP_NUM_THREADS=1 python bench/learning.py --tools ref --jobs sort             # GRPO from the formulas
     python bench/learning.py --curves sync=a.json one_step_off=b.json,c.json   # saved reports' curves side by side
 
 Each job is a random-init tiny Llama (3.4M parameters, fp32) with a byte-level BPE tokenizer built
@@ -236,6 +237,27 @@ def run_trl(job_dir: Path, model_dir: Path, seed: int, steps: int, threads: int,
     return res | {"wall": wall}
 
 
+def run_ref(job_dir: Path, seed: int, steps: int, threads: int, loss: str, sampler: str) -> dict:
+    """bench/reference_grpo.py's loop on the job, in its own process (token-mean only)."""
+    if loss != "token-mean":
+        raise SystemExit(f"--tools ref implements the token-mean loss only, not --loss {loss}")
+    out = Path(tempfile.mkdtemp(prefix="ref-learning-", dir="/tmp")) / "result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "reference_grpo.py"), "--job-dir", str(job_dir),
+           "--seed", str(seed), "--steps", str(steps), "--lr", str(LR), "--new-tokens", str(NEW_TOKENS),
+           "--sampler", sampler, "--result", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    try:
+        if proc.returncode != 0:
+            raise SystemExit(f"the reference loop failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        res = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    return res | {"wall": wall}
+
+
 def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> None:
     """Inside the TRL process: GRPOTrainer on the same job, then the same held-out evaluation."""
     import torch
@@ -300,7 +322,10 @@ def main() -> None:
     ap.add_argument("--jobs", nargs="+", default=list(TINY_JOBS), choices=list(JOBS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--tools", nargs="+", default=["rl", "trl"], choices=["rl", "trl"])
+    ap.add_argument("--tools", nargs="+", default=["rl", "trl"], choices=["rl", "trl", "ref"],
+                    help="ref: GRPO from the formulas in one plain PyTorch loop (bench/reference_grpo.py)")
+    ap.add_argument("--ref-sampler", default="rl", choices=["rl", "hf"],
+                    help="--tools ref: sample with rl's sampler or with Hugging Face generate (TRL's)")
     ap.add_argument("--loss", default="token-mean", choices=list(TRL_LOSS),
                     help="rl's algorithm.loss_agg_mode (default: rl's default); TRL gets the matching loss_type")
     ap.add_argument("--stop-len", type=float, default=10.0, help="a job is learnt to stop under this mean length")
@@ -335,6 +360,7 @@ def main() -> None:
         for seed in args.seeds:
             for tool in args.tools:
                 run = (run_rl(job_dir, model_dir, seed, args.steps, args.rl_extra, threads, args.loss) if tool == "rl"
+                       else run_ref(job_dir, seed, args.steps, threads, args.loss, args.ref_sampler) if tool == "ref"
                        else run_trl(job_dir, model_dir, seed, args.steps, threads, args.loss))
                 s = summarise(run, args.stop_len)
                 results.append({"job": job, "tool": tool, "seed": seed, **s, "series": run})
@@ -384,7 +410,7 @@ def print_table(results: list[dict], args) -> None:
 def print_curves(specs: list[str], every: int) -> None:
     """Learning curves beside each other: for each job, each label's mean over its seeds of the reward
     and the response length at every ``every``-th step (1-based, as metrics.jsonl), from saved reports
-    (each label takes one tool's runs: the reports' rl runs, or TRL's when they hold no rl run)."""
+    (each label takes one tool's runs: the reports' rl runs, else the reference loop's, else TRL's)."""
     sets: dict[str, list[dict]] = {}
     for spec in specs:
         label, _, files = spec.partition("=")
@@ -394,7 +420,7 @@ def print_curves(specs: list[str], every: int) -> None:
         if missing:
             raise SystemExit(f"--curves {label}: no report at {', '.join(missing)} (write it with --json)")
         results = [r for f in files.split(",") for r in json.loads(Path(f).read_text())["results"]]
-        tool = "rl" if any(r["tool"] == "rl" for r in results) else "trl"
+        tool = next(t for t in ("rl", "ref", "trl") if any(r["tool"] == t for r in results))
         sets[label] = [r for r in results if r["tool"] == tool]
     for job in dict.fromkeys(r["job"] for rs in sets.values() for r in rs):
         runs = {label: [r["series"] for r in rs if r["job"] == job] for label, rs in sets.items()}
