@@ -185,7 +185,8 @@ def run_rl(job_dir: Path, model_dir: Path, seed: int, steps: int, extra: list[st
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return {"wall": wall, "reward": [r["reward_mean"] for r in rows], "length": [r["response_len_mean"] for r in rows],
-            "entropy": [r.get("entropy") for r in rows], "step_s": [r["step_time_s"] for r in rows],
+            "entropy": [r.get("entropy") for r in rows], "grad_norm": [r.get("grad_norm") for r in rows],
+            "step_s": [r["step_time_s"] for r in rows],
             "heldout_acc": acc}
 
 
@@ -296,7 +297,8 @@ def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> 
     acc = greedy_accuracy(trainer.model, job_dir, torch.get_num_threads())
     Path(result).write_text(json.dumps({
         "reward": [lg.get("reward", 0.0) for lg in logs], "length": [lg["completions/mean_length"] for lg in logs],
-        "entropy": [lg.get("entropy") for lg in logs], "step_s": times, "heldout_acc": acc}))
+        "entropy": [lg.get("entropy") for lg in logs], "grad_norm": [lg.get("grad_norm") for lg in logs],
+        "step_s": times, "heldout_acc": acc}))
 
 
 # ---- summary ---------------------------------------------------------------------------------------

@@ -159,7 +159,8 @@ def main() -> None:
     acc = greedy_accuracy(model, job_dir, torch.get_num_threads())
     Path(args.result).write_text(json.dumps({
         "reward": [r["reward_mean"] for r in rows], "length": [r["response_len_mean"] for r in rows],
-        "entropy": [r["entropy"] for r in rows], "step_s": [r["step_s"] for r in rows], "heldout_acc": acc}))
+        "entropy": [r["entropy"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
+        "step_s": [r["step_s"] for r in rows], "heldout_acc": acc}))
 
 
 if __name__ == "__main__":
