@@ -221,42 +221,36 @@ def greedy_accuracy(model_path, job_dir: Path, threads: int) -> float:
     return right / len(rows)
 
 
-def run_trl(job_dir: Path, model_dir: Path, seed: int, steps: int, threads: int, loss: str = "token-mean") -> dict:
-    out = Path(tempfile.mkdtemp(prefix="trl-learning-", dir="/tmp")) / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(job_dir), "--seeds", str(seed),
-           "--steps", str(steps), "--result", str(out), "--loss", loss]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+def _run_worker(name: str, cmd: list[str], job_dir: Path, env: dict) -> dict:
+    """Run one tool's worker process, which writes its series to the path after ``--result``."""
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-learning-", dir="/tmp")) / "result.json"
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True)
+    proc = subprocess.run([*cmd, "--result", str(out)], cwd=job_dir, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     try:
         if proc.returncode != 0:
-            raise SystemExit(f"TRL failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         res = json.loads(out.read_text())
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     return res | {"wall": wall}
+
+
+def run_trl(job_dir: Path, model_dir: Path, seed: int, steps: int, threads: int, loss: str = "token-mean") -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(job_dir), "--seeds", str(seed),
+           "--steps", str(steps), "--loss", loss]
+    return _run_worker("TRL", cmd, job_dir, dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"))
 
 
 def run_ref(job_dir: Path, seed: int, steps: int, threads: int, loss: str, sampler: str) -> dict:
     """bench/reference_grpo.py's loop on the job, in its own process (token-mean only)."""
     if loss != "token-mean":
         raise SystemExit(f"--tools ref implements the token-mean loss only, not --loss {loss}")
-    out = Path(tempfile.mkdtemp(prefix="ref-learning-", dir="/tmp")) / "result.json"
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "reference_grpo.py"), "--job-dir", str(job_dir),
            "--seed", str(seed), "--steps", str(steps), "--lr", str(LR), "--new-tokens", str(NEW_TOKENS),
-           "--sampler", sampler, "--result", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    try:
-        if proc.returncode != 0:
-            raise SystemExit(f"the reference loop failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        res = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(out.parent, ignore_errors=True)
-    return res | {"wall": wall}
+           "--sampler", sampler]
+    return _run_worker("the reference loop", cmd, job_dir,
+                       dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads)))
 
 
 def trl_worker(job_dir: Path, seed: int, steps: int, result: str, loss: str) -> None:

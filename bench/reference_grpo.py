@@ -80,14 +80,7 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
                                 for (_, r), a in zip(seqs, answers)])
         g = rewards.view(prompts, samples)
         adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + adv_eps)).reshape(-1)
-        T = max(len(p) + len(r) for p, r in seqs)  # right-padded prompt + response, positions from 0
-        ids = torch.full((len(seqs), T), PAD)
-        attn = torch.zeros((len(seqs), T), dtype=torch.long)
-        resp = torch.zeros((len(seqs), T))
-        for i, (p, r) in enumerate(seqs):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            attn[i, :len(p) + len(r)] = 1
-            resp[i, len(p):len(p) + len(r)] = 1
+        ids, attn, resp = right_padded(seqs, PAD)
         model.train()
         logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -104,6 +97,22 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
         out.append({"reward_mean": float(rewards.mean()), "response_len_mean": sum(len(r) for _, r in seqs) / len(seqs),
                     "grad_norm": norm, "entropy": entropy, "step_s": time.perf_counter() - t0})
     return (out, model) if keep_model else out
+
+
+def right_padded(rows: list[tuple[list[int], list[int]]], pad: int):
+    """(prompt ids, response ids) rows -> ids, attention mask and response mask [B, T]: each row's
+    prompt then response from position 0, right-padded with ``pad``."""
+    import torch
+
+    T = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), T), pad)
+    attn = torch.zeros((len(rows), T), dtype=torch.long)
+    resp = torch.zeros((len(rows), T))
+    for i, (p, r) in enumerate(rows):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        resp[i, len(p):len(p) + len(r)] = 1
+    return ids, attn, resp
 
 
 def _sample_rl(sampler, model, prompts, n, generator):

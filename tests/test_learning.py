@@ -24,19 +24,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.learning_job import count_job
+
 ROOT = Path(__file__).resolve().parents[1]
-SIZE = (128, 2, 4, 344, 128)  # hidden, layers, heads, intermediate, vocabulary
 STEPS, NEW_TOKENS = 30, 16
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    pytest.importorskip("tokenizers")
-    sys.path.insert(0, str(ROOT))
-    from bench.learning import build_job
-
-    work = tmp_path_factory.mktemp("learning")
-    return work, build_job(work, "count", SIZE)
+    return count_job(tmp_path_factory, "learning")
 
 
 @pytest.mark.slow

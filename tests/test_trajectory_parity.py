@@ -32,19 +32,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.learning_job import count_job
+
 ROOT = Path(__file__).resolve().parents[1]
-SIZE = (128, 2, 4, 344, 128)  # hidden, layers, heads, intermediate, vocabulary (tests/test_learning.py's)
 STEPS, NEW_TOKENS, LR, SEED = 4, 16, 3e-3, 3
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    pytest.importorskip("tokenizers")
-    sys.path.insert(0, str(ROOT))
-    from bench.learning import build_job
-
-    work = tmp_path_factory.mktemp("trajectory")
-    return work, build_job(work, "count", SIZE)
+    return count_job(tmp_path_factory, "trajectory")
 
 
 def rl_steps(work: Path, job_dir: Path, run_dir: Path) -> list[dict]:

@@ -35,6 +35,7 @@ CASES = {
 
 def _batch():
     """12 rows: 3 prompts (2, 3 and 4 tokens) x 4 samples; responses of 1-6 tokens, EOS-ended or cut."""
+    from bench.reference_grpo import right_padded
     from engine.batch import SequenceBatch
 
     g = torch.Generator().manual_seed(0)
@@ -47,14 +48,7 @@ def _batch():
         if e:
             r[-1] = EOS
         rows.append((prompts[i // G], r))
-    T = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), T), PAD)
-    attn = torch.zeros((len(rows), T), dtype=torch.long)
-    resp = torch.zeros((len(rows), T))
-    for i, (p, r) in enumerate(rows):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
-        resp[i, len(p):len(p) + len(r)] = 1
+    ids, attn, resp = right_padded(rows, PAD)
     return SequenceBatch(input_ids=ids, attention_mask=attn, response_mask=resp,
                          prompt_lengths=torch.tensor([len(p) for p, _ in rows]))
 
