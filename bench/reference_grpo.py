@@ -37,9 +37,12 @@ PAD, EOS = 0, 2  # bench/learning.py's tokenizer
 
 def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: float, new_tokens: int,
                   prompts: int = 8, samples: int = 8, sampler: str = "rl", train_pad_row: bool = True,
-                  adv_eps: float = 1e-6, keep_model: bool = False):
+                  adv_eps: float = 1e-6, keep_model: bool = False, step_rows: list[list[dict]] | None = None,
+                  generator_seed: int | None = None, left_pad_prompts: bool = False):
     """Per step: reward_mean, response_len_mean (tokens, EOS included), grad_norm (before clipping),
-    entropy (token mean), step_s. With ``keep_model`` also returns the trained model."""
+    entropy (token mean), step_s. With ``keep_model`` also returns the trained model. ``step_rows``:
+    each step's prompt rows instead of rl's order (to replay another trainer's batches);
+    ``generator_seed``: rl's sampler's generator (default: rank 0's in rl, ``seed * 7919``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,12 +68,12 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
         order += ix
     rl_sampler = TorchSampler(RolloutConfig(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), PAD, EOS,
                               torch.device("cpu"))
-    generator = torch.Generator().manual_seed(seed * 7919)  # rank 0's sampling generator in rl
+    generator = torch.Generator().manual_seed(seed * 7919 if generator_seed is None else generator_seed)  # rl rank 0's
     torch.manual_seed(seed)  # HF generate draws from the global generator
     out = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = [rows[i] for i in order[step * prompts:(step + 1) * prompts]]
+        batch = step_rows[step] if step_rows is not None else [rows[i] for i in order[step * prompts:(step + 1) * prompts]]
         ids_p = [tok.encode(r["prompt"], add_special_tokens=False) for r in batch]
         model.eval()
         seqs = _sample_rl(rl_sampler, model, ids_p, samples, generator) if sampler == "rl" else \
@@ -80,7 +83,7 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
                                 for (_, r), a in zip(seqs, answers)])
         g = rewards.view(prompts, samples)
         adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + adv_eps)).reshape(-1)
-        ids, attn, resp = right_padded(seqs, PAD)
+        ids, attn, resp = right_padded(seqs, PAD, left_pad_prompts)
         model.train()
         logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -99,19 +102,22 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
     return (out, model) if keep_model else out
 
 
-def right_padded(rows: list[tuple[list[int], list[int]]], pad: int):
+def right_padded(rows: list[tuple[list[int], list[int]]], pad: int, left_pad_prompts: bool = False):
     """(prompt ids, response ids) rows -> ids, attention mask and response mask [B, T]: each row's
-    prompt then response from position 0, right-padded with ``pad``."""
+    prompt then response from position 0, right-padded with ``pad``. ``left_pad_prompts``: TRL's
+    layout instead, prompts left-padded to the longest, responses after them."""
     import torch
 
-    T = max(len(p) + len(r) for p, r in rows)
+    P = max(len(p) for p, _ in rows) if left_pad_prompts else 0
+    T = max((P or len(p)) + len(r) for p, r in rows)
     ids = torch.full((len(rows), T), pad)
     attn = torch.zeros((len(rows), T), dtype=torch.long)
     resp = torch.zeros((len(rows), T))
     for i, (p, r) in enumerate(rows):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
-        resp[i, len(p):len(p) + len(r)] = 1
+        s = P - len(p) if left_pad_prompts else 0
+        ids[i, s:s + len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, s:s + len(p) + len(r)] = 1
+        resp[i, s + len(p):s + len(p) + len(r)] = 1
     return ids, attn, resp
 
 
