@@ -11,7 +11,7 @@ Measured (2026-12-05, `sort`, docs/benchmarks.md "Is the synchronous trainer beh
 same samples and rewards for 3 steps; gradient norms equal at step 1 (1.086250), then apart by
 5.2e-6 at step 2 (with TRL's layout, `--left-pad-prompts`; 2.8e-5 without), 2.8e-4 at step 3 and
 7.8e-3 at step 4, where the samples part. After step 1, TRL's weights and the loop's differ in
-20-84 entries of each tensor of 65-176k (up to 5e-5 against updates of 1e-3): the entries whose
+4-84 entries of each tensor of 65-176k (up to 5e-5 against updates of 1e-3): the entries whose
 gradients are near zero, where Adam's first step (about lr * g / |g|) turns rounding into whole
 updates. A different learning rate, epsilon, clip or loss would move every entry. So TRL's
 trainer is the formulas up to rounding, as rl's is (rl's layout rounds like the loop's: 7e-7 over
