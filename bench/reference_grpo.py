@@ -76,7 +76,7 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
         batch = step_rows[step] if step_rows is not None else [rows[i] for i in order[step * prompts:(step + 1) * prompts]]
         ids_p = [tok.encode(r["prompt"], add_special_tokens=False) for r in batch]
         model.eval()
-        seqs = _sample_rl(rl_sampler, model, ids_p, samples, generator) if sampler == "rl" else \
+        seqs = sample_with_rl(rl_sampler, model, ids_p, samples, generator) if sampler == "rl" else \
             _sample_hf(model, ids_p, samples, new_tokens)
         answers = [r["answer"] for r in batch for _ in range(samples)]
         rewards = torch.tensor([score(tok.decode(r[:r.index(EOS)] if EOS in r else r, skip_special_tokens=True), a)
@@ -121,7 +121,7 @@ def right_padded(rows: list[tuple[list[int], list[int]]], pad: int, left_pad_pro
     return ids, attn, resp
 
 
-def _sample_rl(sampler, model, prompts, n, generator):
+def sample_with_rl(sampler, model, prompts, n, generator):
     """(prompt ids, response ids up to and with EOS) per row, from rl's sampler."""
     b = sampler.generate(model, prompts, n, generator)
     seqs = []

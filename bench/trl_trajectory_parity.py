@@ -48,7 +48,7 @@ def main() -> None:
     from engine.config.schema import RolloutConfig
     from engine.rollout.torch_sampler import TorchSampler
     from learning import LR, NEW_TOKENS, PROMPTS, SAMPLES, build_job
-    from reference_grpo import EOS, PAD, reference_run
+    from reference_grpo import EOS, PAD, reference_run, sample_with_rl
     from trl_steps import step_recorder
 
     torch.set_num_threads(1)
@@ -70,13 +70,9 @@ def main() -> None:
         prompts_seen.append([tok.decode(p) for p in uniq])
         training = self.model.training
         self.model.eval()
-        b = sampler.generate(self.model, uniq, num_generations, generator)
+        seqs = sample_with_rl(sampler, self.model, uniq, num_generations, generator)
         self.model.train(training)
-        out = []
-        for i in range(len(b.input_ids)):
-            ids, total, m = b.input_ids[i].tolist(), int(b.attention_mask[i].sum()), int(b.response_mask[i].sum())
-            out.append(ids[total - m:total])
-        return out, None
+        return [response for _, response in seqs], None
 
     GRPOTrainer._generate_single_turn = generate_with_rl_sampler
     logs: list = []
