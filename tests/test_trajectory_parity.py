@@ -13,13 +13,18 @@ the prompt file, then each epoch's order: docs/data.md). The reference draws wit
 its own copy of the weights (the sampler's distribution is the other test's subject), from the
 generator rl seeds for rank 0.
 So if any step of rl's trainer differed from the formulas, the weights would differ after it, and
-every later batch, reward and gradient with them.
+every later batch, reward and gradient with them. The second test does the same for
+``trainer.mode=one_step_off`` against bench/delayed_grpo.py (the loop with each batch sampled one
+version behind, as rl's rollout worker samples it).
 
 Measured when written (2026-12-05): rewards and lengths equal, pre-clip gradient norms and entropies
 within 7e-7 relative over the four steps (hence the 2e-5 tolerance). Sensitivity: rl with AdamW's
 beta2 at 0.99 instead of the reference's 0.999 gives the same samples for four steps but gradient
 norms off by 8e-5 at step 3 and 4.5e-3 at step 4. The 3.4M-parameter ``count`` job of
 bench/learning.py agreed over its first 3 steps the same way (docs/benchmarks.md, "Learning").
+one_step_off (2026-12-06): equal samples, equal clip fractions (10 %, 8 % and 4 % of the tokens
+clipped at steps 2-4), gradient norms within 5e-7 relative; with ``algorithm.behavior_clip=fixed``
+rl clips 29 % at step 2 and its gradient norm there is 4 % off the loop's.
 """
 
 from __future__ import annotations
@@ -43,12 +48,12 @@ def job(tmp_path_factory):
     return count_job(tmp_path_factory, "trajectory")
 
 
-def rl_steps(work: Path, job_dir: Path, run_dir: Path) -> list[dict]:
+def rl_steps(work: Path, job_dir: Path, run_dir: Path, *extra: str) -> list[dict]:
     from bench.learning import rl_overrides
 
     cmd = [sys.executable, "-m", "rlcli.main", "train",
            *rl_overrides(job_dir, work / "model", SEED, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
-           f"optim.lr={LR}", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}"]
+           f"optim.lr={LR}", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -77,3 +82,30 @@ def test_rl_train_steps_equal_grpo_from_the_formulas(job, tmp_path):
         assert g["entropy"] == pytest.approx(w["entropy"], rel=2e-5), f"step {step}"
     # the steps moved the policy: the later batches are the updated weights' (not the first step's again)
     assert len({round(w["grad_norm"], 6) for w in want}) == STEPS
+
+
+def test_rl_one_step_off_steps_equal_delayed_grpo_from_the_formulas(job, tmp_path):
+    """trainer.mode=one_step_off is the same loop with step k+1's batch sampled by the weights before
+    step k's update (rl's rollout worker, its own generator), PPO's ratio against those weights and
+    the clip's bounds compounded for one version (bench/delayed_grpo.py's ``behavior``). Checked step
+    for step, so a lag in learning is the delay's, not a defect of the path that samples ahead (a
+    batch sampled with other weights, a wrong version, a clip against the wrong log-probs)."""
+    import torch
+
+    from bench.delayed_grpo import delayed_run
+
+    work, job_dir = job
+    got = rl_steps(work, job_dir, tmp_path / "run", "trainer.mode=one_step_off")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = delayed_run(job_dir, work / "model", SEED, STEPS, "behavior", lr=LR, new_tokens=NEW_TOKENS)
+    finally:
+        torch.set_num_threads(threads)
+    assert [g["staleness"].get("rows_1", 0) for g in got] == [0] + [64] * (STEPS - 1)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert g["response_len_mean"] == w["response_len_mean"], f"step {step}: other responses were sampled"
+        assert g["reward_mean"] == pytest.approx(w["reward_mean"], abs=1e-6), f"step {step}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=2e-5), f"step {step}: {g['grad_norm']} vs {w['grad_norm']}"
+        assert g["clip_frac"] == pytest.approx(w["clip_frac"], abs=1e-6), f"step {step}"
+    assert max(w["kl_to_sampler"] for w in want[1:]) > 0, "the stale batches must differ from the trained weights"
