@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from reference_grpo import EOS, PAD, right_padded, sample_with_rl  # noqa: E402
+from reference_grpo import EOS, PAD, policy_and_optimizer, right_padded, rl_prompt_order, sample_with_rl  # noqa: E402
 
 VARIANTS = ("sync", "behavior", "snis", "snis_baseline", "snis_masked")
 CLIP = 0.2
@@ -52,31 +51,20 @@ def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: 
     the rollout worker's when sampling ahead (it samples step 1's batch too), so ``behavior`` is
     ``rl train trainer.mode=one_step_off`` step for step (tests/test_trajectory_parity.py)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from engine.config.schema import RolloutConfig
     from engine.rollout.torch_sampler import TorchSampler
+    from engine.trainer.rollout_worker import rollout_seed
 
     sys.path.insert(0, str(job_dir))
     from learning_reward import score
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.get_input_embeddings().padding_idx = None  # rl trains the pad row when it is sampled
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    rows = [json.loads(x) for x in (job_dir / "train.jsonl").read_text().splitlines() if x.strip()]
-    split = list(range(len(rows)))
-    random.Random(seed).shuffle(split)
-    rows = [rows[i] for i in split]
-    order = []
-    for epoch in range(-(-(steps + 1) * prompts // len(rows))):
-        ix = list(range(len(rows)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(ix)
-        order += ix
+    model, opt = policy_and_optimizer(model_dir, lr)  # the pad row trains when sampled, as in rl
+    rows, order = rl_prompt_order(job_dir, seed, (steps + 1) * prompts)  # one batch past the last step
     sampler = TorchSampler(RolloutConfig(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), PAD, EOS,
                            torch.device("cpu"))
-    from engine.trainer.rollout_worker import rollout_seed
-
     generator = torch.Generator().manual_seed(seed * 7919 if variant == "sync" else rollout_seed(seed))
 
     def draw(step: int, stale: int) -> dict:

@@ -44,7 +44,7 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
     each step's prompt rows instead of rl's order (to replay another trainer's batches);
     ``generator_seed``: rl's sampler's generator (default: rank 0's in rl, ``seed * 7919``)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from engine.config.schema import RolloutConfig
     from engine.rollout.torch_sampler import TorchSampler
@@ -53,19 +53,8 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
     from learning_reward import score
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    if train_pad_row:
-        model.get_input_embeddings().padding_idx = None
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    rows = [json.loads(x) for x in (job_dir / "train.jsonl").read_text().splitlines() if x.strip()]
-    split = list(range(len(rows)))
-    random.Random(seed).shuffle(split)  # the train split: the file shuffled by the run seed
-    rows = [rows[i] for i in split]
-    order = []  # epoch e walks random.Random(seed * 1_000_003 + e)'s shuffle of the indices
-    for epoch in range(-(-steps * prompts // len(rows))):
-        ix = list(range(len(rows)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(ix)
-        order += ix
+    model, opt = policy_and_optimizer(model_dir, lr, train_pad_row)
+    rows, order = rl_prompt_order(job_dir, seed, steps * prompts)
     rl_sampler = TorchSampler(RolloutConfig(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), PAD, EOS,
                               torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed * 7919 if generator_seed is None else generator_seed)  # rl rank 0's
@@ -100,6 +89,33 @@ def reference_run(job_dir: Path, model_dir: Path, seed: int, steps: int, *, lr: 
         out.append({"reward_mean": float(rewards.mean()), "response_len_mean": sum(len(r) for _, r in seqs) / len(seqs),
                     "grad_norm": norm, "entropy": entropy, "step_s": time.perf_counter() - t0})
     return (out, model) if keep_model else out
+
+
+def policy_and_optimizer(model_dir: Path, lr: float, train_pad_row: bool = True):
+    """The Hugging Face model and its AdamW (betas 0.9/0.999, eps 1e-8, no weight decay)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if train_pad_row:
+        model.get_input_embeddings().padding_idx = None
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def rl_prompt_order(job_dir: Path, seed: int, count: int) -> tuple[list[dict], list[int]]:
+    """The job's prompt rows as rl's train split holds them (the file shuffled by the run seed) and
+    the indices of at least ``count`` prompts in the order rl trains them: epoch e walks
+    random.Random(seed * 1_000_003 + e)'s shuffle (docs/data.md)."""
+    rows = [json.loads(x) for x in (job_dir / "train.jsonl").read_text().splitlines() if x.strip()]
+    split = list(range(len(rows)))
+    random.Random(seed).shuffle(split)
+    rows = [rows[i] for i in split]
+    order = []
+    for epoch in range(-(-count // len(rows))):
+        ix = list(range(len(rows)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(ix)
+        order += ix
+    return rows, order
 
 
 def right_padded(rows: list[tuple[list[int], list[int]]], pad: int, left_pad_prompts: bool = False):
