@@ -16,7 +16,10 @@ the update, ``w_i = pi_theta(y_i) / pi_b(y_i)`` a response's sequence ratio):
   each response's gradient; the ratio is against theta (no clip at one update);
 - ``snis_baseline``: only the baseline and std from those weights, with ``behavior``'s loss;
 - ``snis_masked``: ``snis`` with ``behavior``'s trust region: tokens whose ratio to pi_b is past
-  the per-version bounds in the advantage's direction get no gradient.
+  the per-version bounds in the advantage's direction get no gradient;
+- ``predicted``: ``behavior``'s loss, but the stale batch is sampled by the weights the update is
+  predicted to reach: the current weights plus the last update again (``2 theta_k - theta_{k-1}``,
+  weight prediction as SpecTrain does for pipeline staleness); pi_b is that prediction.
 
 The first step trains on a fresh batch (staleness 0), as in rl.
 """
@@ -38,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from reference_grpo import EOS, PAD, policy_and_optimizer, right_padded, rl_prompt_order, sample_with_rl  # noqa: E402
 
-VARIANTS = ("sync", "behavior", "snis", "snis_baseline", "snis_masked")
+VARIANTS = ("sync", "behavior", "snis", "snis_baseline", "snis_masked", "predicted")
 CLIP = 0.2
 
 
@@ -81,11 +84,22 @@ def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: 
         return {"seqs": seqs, "ids": ids, "attn": attn, "mask": resp[:, 1:], "stale": stale, "rewards": rewards,
                 "sampler_logp": lp.gather(-1, ids[:, 1:, None]).squeeze(-1)}
 
-    out, ahead = [], None
+    out, ahead, before = [], None, None
     for step in range(steps):
         cur = draw(step, 0) if variant == "sync" or ahead is None else ahead
-        if variant != "sync":  # the next batch, from the weights before this update
+        if variant == "predicted" and before is not None:  # sample with theta + (theta - theta_before)
+            now = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p, b in zip(model.parameters(), before):
+                    p.mul_(2).sub_(b)
             ahead = draw(step + 1, 1)
+            with torch.no_grad():
+                for p, n in zip(model.parameters(), now):
+                    p.copy_(n)
+        elif variant != "sync":  # the next batch, from the weights before this update
+            ahead = draw(step + 1, 1)
+        if variant == "predicted":
+            before = [p.detach().clone() for p in model.parameters()]
         model.train()
         logp_all = torch.log_softmax(model(input_ids=cur["ids"], attention_mask=cur["attn"]).logits[:, :-1].float(), -1)
         logp = logp_all.gather(-1, cur["ids"][:, 1:, None]).squeeze(-1)
