@@ -315,3 +315,42 @@ def test_one_step_off_scores_the_next_batch_while_the_ranks_update(tmp_path):
         # the update depends on the machine's load; docs/async.md has the figures)
         assert s["timing"]["reward_ahead"] >= 0.4 and s["timing"]["reward"] <= s["timing"]["reward_ahead"] + 0.05, \
             s["timing"]
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_worker_ends_the_run_with_the_resume_command(tmp_path):
+    """SIGKILL the rollout worker once step_2 is saved (what the kernel's OOM killer does): the run
+    exits 1 with one paragraph naming the dead RolloutWorker and `rl resume <dir>` (no traceback);
+    that resume finishes the run, every step logged once."""
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    from tests.cli_utils import _rl_argv, _rl_env
+    from tests.ray_procs import wait_for
+
+    run = tmp_path / "run"
+    env = _rl_env(ENV)
+    env.pop("RAY_ADDRESS", None)  # a private Ray in the run's own session: its rollout worker is found there
+    p = subprocess.Popen(_rl_argv(["train", *TINY, "trainer.total_steps=40", "trainer.mode=one_step_off",
+                                   "checkpoint.save_freq=2", f"checkpoint.dir={run}"], ""),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: (run / "step_2" / "manifest.json").exists(), 600, "step_2's checkpoint", p, poll_s=0.05)
+        workers = [q for q in psutil.process_iter(["cmdline"])
+                   if "ray::RolloutWorker" in " ".join(q.info["cmdline"] or []) and os.getsid(q.pid) == p.pid]
+        assert len(workers) == 1, workers
+        os.kill(workers[0].pid, signal.SIGKILL)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    said = " ".join(out.replace("│", " ").split())
+    assert p.returncode == 1, out[-3000:]
+    assert f"RolloutWorker, pid {workers[0].pid}" in said and "died while rl waited for" in said, out[-3000:]
+    assert f"continue with `rl resume {run}`" in said and "Traceback" not in out, out[-3000:]
+    r = rl("resume", str(run), env=ENV, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [x["step"] for x in rows(run)] == list(range(1, 41))

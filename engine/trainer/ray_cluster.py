@@ -271,4 +271,25 @@ def get(refs, timeout_s: float, what: str):
             raise cause from None
         raise
     except RayActorError as e:
-        raise UserError(f"A worker process died while {what}: {e}", title="worker died") from None
+        raise WorkerLost(what, str(e)) from None
+
+
+class WorkerLost(UserError):
+    """An actor's process died mid-call (not bad input: exit 1, no traceback). ``detail`` keeps
+    Ray's text (the trainer reads it for a kill for memory); the message is one paragraph."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, detail: str, after: str = ""):
+        import re
+
+        self.what, self.detail, self.after = what, detail, after
+        found = [(label, re.search(rf"{key}: (\S+)", detail)) for label, key in
+                 (("", "class_name"), ("pid ", "pid"), ("exit type ", "Worker exit type"))]
+        who = ", ".join(label + m.group(1) for label, m in found if m)
+        super().__init__(f"A worker process ({who or 'a Ray actor'}) died while rl waited for {what}. A signal, "
+                         f"the kernel's OOM killer or a crash in native code ends a process this way. {after}".rstrip(),
+                         title="worker died")
+
+    def __reduce__(self):
+        return (WorkerLost, (self.what, self.detail, self.after))

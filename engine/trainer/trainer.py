@@ -29,6 +29,7 @@ from engine.errors import UserError
 from engine.memory.oom import OutOfMemory, answer, oom_guard
 from engine.metric_sums import add_metrics, mean_over_updates
 from engine.rewards.compute import RewardError, samples_of
+from engine.trainer.ray_cluster import WorkerLost
 from engine.tracking.eta import StepClock
 from engine.tracking.fanout import Tracking
 from engine.tracking.progress import phase, tree_bytes
@@ -169,6 +170,12 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                         raise DivergedError(diverged, rec.grad_norm, rdir.path)
             except RewardError as e:  # the user's reward code failed: saved checkpoints stay as they are
                 raise RewardError(e.failure, e.prompt, resume_hint=_last_checkpoint_hint(rdir.path)) from None
+            except WorkerLost as e:  # an actor outside the ranks (the rollout worker) died: the same
+                from engine.memory.oom import killed_for_memory
+
+                killed = killed_for_memory(e.detail, workers.oom_kills_at_start)
+                after = (f"It was {killed}. " if killed else "") + _last_checkpoint_hint(rdir.path, fix="")
+                raise WorkerLost(e.what, e.detail, after=after) from None
             finally:
                 inputs.rewards.close()
                 if ahead is not None:
@@ -624,14 +631,14 @@ def _fn_means(scores: list) -> dict:
     return {name: sum(v) / len(v) for name, v in given.items() if v}
 
 
-def _last_checkpoint_hint(run_dir: Path) -> str:
+def _last_checkpoint_hint(run_dir: Path, fix: str = "fix the function and ") -> str:
     from engine.checkpoint.layout import latest_complete
 
     latest = latest_complete(run_dir)
     if latest is None:
-        return (f"No checkpoint was saved yet: fix the function and start again (`checkpoint.overwrite=true` "
+        return (f"No checkpoint was saved yet: {fix}start again (`checkpoint.overwrite=true` "
                 f"replaces {run_dir}).")
-    return f"The last checkpoint, {latest.path}, is intact: fix the function and continue with `rl resume {run_dir}`."
+    return f"The last checkpoint, {latest.path}, is intact: {fix}continue with `rl resume {run_dir}`."
 
 
 class DivergedError(UserError):
