@@ -162,6 +162,16 @@ def test_router_replay_ahead_is_refused():
     assert "router_replay" in r.stderr and "Traceback" not in r.stdout + r.stderr
 
 
+def test_a_staleness_bound_past_32_is_refused():
+    """Every version ahead is a batch the rollout worker is asked for at once: 100000 once queued that
+    many calls on the actor and hung a 2-step run."""
+    r = rl("train", "trainer.mode=async", "trainer.max_staleness=100000", "trainer.total_steps=2",
+           "checkpoint.dir=/nonexistent/x", timeout=60)
+    assert r.returncode == 2 and "`trainer.max_staleness` must be <= 32; got 100000" in " ".join(r.stderr.replace("│", " ").split()), \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_a_weight_that_would_be_one_is_refused():
     """rollout_is=token with the behaviour ratio under one_step_off: pi_old is then pi_rollout, the weight
     is 1, and the user asked for a correction that cannot happen."""

@@ -78,7 +78,9 @@ class TrainerConfig:
                            "the policy, synced after each update (docs/async.md)",
                    choices=["sync", "one_step_off", "async"])
     max_staleness: int = _f(1, "async: how many policy versions a sample may lag the weights it is trained from "
-                               "(0 = no rollout ahead: the sync trainer exactly)", min=0)
+                               "(0 = no rollout ahead: the sync trainer exactly). Each version ahead is a batch "
+                               "queued on the rollout worker, and the run's last steps queue theirs too (a resume "
+                               "that extends the run trains on them), so at most 32", min=0, max=32)
     stream_groups: bool = _f(False, "sync, torch rollout: score each prompt group as soon as all its samples have "
                                     "ended, while the ranks decode the rest; the run is the same as without it, "
                                     "only the reward waits less (docs/async.md)")
