@@ -167,8 +167,8 @@ def test_a_staleness_bound_past_32_is_refused():
     many calls on the actor and hung a 2-step run."""
     r = rl("train", "trainer.mode=async", "trainer.max_staleness=100000", "trainer.total_steps=2",
            "checkpoint.dir=/nonexistent/x", timeout=60)
-    assert r.returncode == 2 and "`trainer.max_staleness` must be <= 32; got 100000" in " ".join(r.stderr.replace("│", " ").split()), \
-        r.stderr[-2000:]
+    said = " ".join(r.stderr.replace("│", " ").split())
+    assert r.returncode == 2 and "`trainer.max_staleness` must be <= 32; got 100000" in said, r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr
 
 
