@@ -49,6 +49,15 @@ def test_unknown_group_option_lists_options():
         load_run_config(["task=ech"])
 
 
+def test_a_group_option_that_is_a_key_value_names_the_key():
+    """`algorithm=gspo` (verl and TRL users think of GSPO as an algorithm): GSPO is rl's `algorithm.loss`,
+    which goes with any estimator preset; the error says so instead of 'did you mean grpo'."""
+    with pytest.raises(ConfigError, match=r"`gspo` is a value of `algorithm.loss`: set `algorithm.loss=gspo` .*"
+                                          r"`algorithm=grpo algorithm.loss=gspo`") as e:
+        load_run_config(["algorithm=gspo"])
+    assert "Did you mean" not in str(e.value)
+
+
 def test_engine_specific_key_refused_on_other_engine():
     """tensor_model_parallel_size is a megatron key: under fsdp it is refused with a pointer."""
     with pytest.raises(ConfigError, match=r"read only with engine=megatron, and this run's engine is `fsdp`.*"

@@ -114,7 +114,7 @@ def read_config_file(path: str | Path) -> ConfigFile:
 def _group_shorthand(data: dict, what: str) -> dict:
     """``task: add`` (a group's option by name, as on the command line) -> ``task: {name: add}``."""
     from engine.config.load import group_options
-    from engine.config.validate import suggest
+    from engine.config.validate import suggest_option
 
     out = dict(data)
     for group, key in GROUP_NAME_KEYS.items():
@@ -122,7 +122,7 @@ def _group_shorthand(data: dict, what: str) -> dict:
         if isinstance(value, str):
             options = group_options(group)
             if value not in options:
-                raise ConfigError(f"{what}: `{group}: {value}` is not a known {group} option.{suggest(value, options)} "
+                raise ConfigError(f"{what}: `{group}: {value}` is not a known {group} option.{suggest_option(group, value, options)} "
                                   f"Options: {', '.join(options)}.", title="unknown config option")
             out[group] = {key.split(".", 1)[1]: value}
     return out

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.config.owned_keys import check_overrides_take_effect
 from engine.config.schema import BUILTIN_TASKS, CONFIG_GROUP_DEFAULTS, CONFIG_GROUPS, RunConfig
-from engine.config.validate import build_run_config, check_key, suggest
+from engine.config.validate import build_run_config, check_key, suggest, suggest_option
 from engine.errors import ConfigError
 
 CONFIG_NAME = "rl"
@@ -90,7 +90,7 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
             opts = group_options(key)
             if value not in opts:
                 raise ConfigError(
-                    f"`{key}={value}` is not a known {key} option.{suggest(value, opts)} "
+                    f"`{key}={value}` is not a known {key} option.{suggest_option(key, value, opts)} "
                     f"Options: {', '.join(opts)}.", title="unknown config option")
             continue
         check_key(key, engine_name)

@@ -62,6 +62,22 @@ def suggest(key: str, candidates: list[str]) -> str:
     return f" Did you mean `{best[0]}`?" if best else ""
 
 
+def suggest_option(group: str, value: str, options: list[str]) -> str:
+    """What to say about ``group=value`` that names no option of the group: when ``value`` is a
+    choice of one of the group section's keys (``algorithm=gspo``: a value of ``algorithm.loss``),
+    that key; else the closest option."""
+    from dataclasses import fields
+
+    from engine.config.schema import CONFIG_GROUP_DEFAULTS, section_types
+
+    for f in fields(section_types().get(group) or object):
+        if f.name != "name" and value in (f.metadata.get("choices") or ()):
+            example = f"{group}={CONFIG_GROUP_DEFAULTS.get(group, options[0])} {group}.{f.name}={value}"
+            return (f" `{value}` is a value of `{group}.{f.name}`: set `{group}.{f.name}={value}` beside any "
+                    f"{group} option (e.g. `{example}`).")
+    return suggest(value, options)
+
+
 def check_key(key: str, engine_name: str | None) -> None:
     """Raise ConfigError if ``key`` is removed or not in the schema."""
     msg = removed_message(key)
