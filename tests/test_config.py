@@ -58,6 +58,50 @@ def test_a_group_option_that_is_a_key_value_names_the_key():
     assert "Did you mean" not in str(e.value)
 
 
+def test_verl_and_trl_names_name_the_rl_key():
+    """A verl override or a TRL GRPOConfig field names rl's key (the nearest spelling would be wrong:
+    `algorithm.adv_estimator` is closest to `algorithm.gamma`), with the value when it means the same
+    in rl, and without it when it does not (TRL's loss_type=dapo is rl's token-mean)."""
+    with pytest.raises(ConfigError, match=r"`actor_rollout_ref.rollout.n` is verl's config name; in rl it is "
+                                          r"`algorithm.rollout_n`. Set `algorithm.rollout_n=4` instead."):
+        load_run_config(["actor_rollout_ref.rollout.n=4"])
+    with pytest.raises(ConfigError, match=r"the `algorithm` group .* Set `algorithm=dapo` instead"):
+        load_run_config(["algorithm.adv_estimator=dapo"])
+    with pytest.raises(ConfigError, match=r"TRL's GRPOConfig name; in rl it is `algorithm.loss_agg_mode` "
+                                          r"\(TRL's dapo is token-mean.*Set `algorithm.loss_agg_mode` instead") as e:
+        load_run_config(["loss_type=dapo"])
+    assert "=dapo" not in str(e.value)
+
+
+def test_every_translation_points_at_an_rl_key_and_shadows_none():
+    """A foreign name that were also an rl key would refuse a valid override; a target that is not
+    an rl key or group would send the user to another error."""
+    from engine.config.foreign_keys import FOREIGN_KEYS
+    from engine.config.schema import CONFIG_GROUPS
+    from engine.config.validate import all_keys
+
+    keys = all_keys(None, include_all_engines=True)
+    assert not set(FOREIGN_KEYS) & set(keys)
+    assert all(k.rl in keys or k.rl in CONFIG_GROUPS for k in FOREIGN_KEYS.values() if k.rl), \
+        [n for n, k in FOREIGN_KEYS.items() if k.rl and k.rl not in keys and k.rl not in CONFIG_GROUPS]
+
+
+def test_a_verl_config_file_gets_every_translation_at_once(tmp_path):
+    """`rl train --config` on a verl config: one error that translates each name it uses."""
+    f = tmp_path / "verl.yaml"
+    f.write_text("data:\n  max_response_length: 1024\n  train_batch_size: 256\nactor_rollout_ref:\n"
+                 "  actor:\n    optim:\n      lr: 1.0e-6\n  rollout:\n    n: 5\n    name: vllm\n"
+                 "trainer:\n  total_epochs: 15\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config([], config_file=f)
+    said = str(e.value)
+    for part in ("This config uses verl's names", "`data.max_response_length` -> `rollout.max_new_tokens: 1024`",
+                 "`actor_rollout_ref.actor.optim.lr` -> `optim.lr: 1e-06`",
+                 "`actor_rollout_ref.rollout.n` -> `algorithm.rollout_n: 5`",
+                 "`actor_rollout_ref.rollout.name` -> `rollout: vllm`", "`trainer.total_epochs` -> `trainer.total_steps` ("):
+        assert part in said, said
+
+
 def test_engine_specific_key_refused_on_other_engine():
     """tensor_model_parallel_size is a megatron key: under fsdp it is refused with a pointer."""
     with pytest.raises(ConfigError, match=r"read only with engine=megatron, and this run's engine is `fsdp`.*"

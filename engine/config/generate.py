@@ -114,6 +114,17 @@ def render_reference() -> str:
 
     out += ["## Removed keys", "", "| key | use instead | why |", "|---|---|---|"]
     out += [f"| `{k.key}` | `{k.replacement}` | {k.reason} |" for k in REMOVED_KEYS.values()]
+    from engine.config.foreign_keys import FOREIGN_KEYS
+
+    out += ["", "## Coming from verl or TRL", "",
+            "rl reads only its own keys. These verl config names and TRL `GRPOConfig` fields are refused with "
+            "the rl key to set (a `--config` file using them gets every translation in one message; "
+            "engine/config/foreign_keys.py). *value differs*: the value means something else in rl (see the note).",
+            "", "| tool | their name | rl | note |", "|---|---|---|---|"]
+    for name, k in FOREIGN_KEYS.items():
+        rl = f"`{k.rl}`" + (" group" if k.rl and "." not in k.rl else "") if k.rl else "-"
+        note = "; ".join(x for x in (k.note, "" if k.carries else "*value differs*") if x)
+        out.append(f"| {k.tool} | `{name}` | {rl} | {note.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 

@@ -93,7 +93,7 @@ def precheck_overrides(overrides: list[str], engine: str | None) -> str:
                     f"`{key}={value}` is not a known {key} option.{suggest_option(key, value, opts)} "
                     f"Options: {', '.join(opts)}.", title="unknown config option")
             continue
-        check_key(key, engine_name)
+        check_key(key, engine_name, value)
         check_not_a_sweep(o, key, value)
         if key == "engine.name" and value.strip() != engine_name:
             # setting the name alone kept the other engine's keys, and the error named one of them
@@ -251,6 +251,11 @@ def _file_values(cfile, engine_name: str, on_line: set[str]) -> dict:
     """The file's flat values that apply: every key checked against the schema (an unknown,
     removed or other-engine key is the error an override gets, naming the file), less those
     a command-line override sets (the command line wins)."""
+    from engine.config.foreign_keys import foreign_config_message
+
+    translated = foreign_config_message(cfile.data)  # a verl (or TRL) config: every name it uses at once
+    if translated:
+        raise cfile.error(ConfigError(translated, title="unknown config keys"))
     out = {}
     for key, value in cfile.leaves().items():
         try:

@@ -15,6 +15,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from engine.config.lengths import is_multi_turn, longest_sequence
+from engine.config.foreign_keys import foreign_message
 from engine.config.removed_keys import removed_message
 from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
@@ -78,14 +79,18 @@ def suggest_option(group: str, value: str, options: list[str]) -> str:
     return suggest(value, options)
 
 
-def check_key(key: str, engine_name: str | None) -> None:
-    """Raise ConfigError if ``key`` is removed or not in the schema."""
+def check_key(key: str, engine_name: str | None, value: str = "") -> None:
+    """Raise ConfigError if ``key`` is removed or not in the schema (``value``: what the override
+    set it to, for the fix a verl or TRL name gets)."""
     msg = removed_message(key)
     if msg:
         raise ConfigError(msg, title="removed config key")
     keys = all_keys(engine_name, include_all_engines=False)
     if key in keys:
         return
+    msg = foreign_message(key, value)
+    if msg:
+        raise ConfigError(msg, title="unknown config key")
     sections = section_types(engine_name)
     if key in sections or key in nested_sections(engine_name):
         return
