@@ -508,6 +508,28 @@ def test_estimate_7b_and_70b_builtin_configs_offline():
     assert set(BUILTIN_MODELS) >= {"llama-7b", "llama-70b"}
 
 
+def test_sampling_ahead_puts_the_rollout_worker_beside_the_ranks():
+    """trainer.mode=one_step_off: the rollout worker (engine/trainer/rollout_worker.py) holds the whole
+    policy and the KV cache of the whole batch in its own process; the ranks sample only to validate;
+    sharing rank 0's GPU, it samples while rank 0 updates, so rank 0's peak is the two together."""
+    cfg = RunConfig()
+    cfg.model.dtype, cfg.trainer.nprocs, cfg.trainer.val_freq = "bfloat16", 8, 0
+    cfg.data.max_prompt_length, cfg.rollout.max_new_tokens = 1024, 1024
+    dev = parse_bytes("80GiB")
+    sync = estimate_memory(cfg, model="llama-7b", device_memory_bytes=dev)
+    assert sync.rollout_worker is None and sync.phase("rollout") is not None
+    cfg.trainer.mode = "one_step_off"
+    e = estimate_memory(cfg, model="llama-7b", device_memory_bytes=dev)
+    w, rows = e.rollout_worker, cfg.data.train_batch_size * cfg.algorithm.rollout_n
+    assert w["params"] == e.model_bytes == e.param_count * 2                     # unsharded, in bf16
+    assert w["kv_cache"] == 2 * 32 * 32 * 128 * 2 * 2048 * rows                  # K, V x layers x heads x dim x B
+    assert w["rank0_peak_if_shared"] == e.peak_bytes + w["total"]
+    assert e.phase("rollout") is None and e.peak_bytes == sync.phase("update").total
+    assert any("shares rank 0's device" in n for n in e.notes)
+    cfg.trainer.val_freq = 5  # validation samples on the ranks, with the weights they train
+    assert estimate_memory(cfg, model="llama-7b", device_memory_bytes=dev).phase("rollout") is not None
+
+
 def test_estimate_from_a_local_hf_config_dir(tmp_path):
     """A local HF directory's config.json is enough (Qwen2-style here: q/k/v bias, tied)."""
     (tmp_path / "config.json").write_text(json.dumps({

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine import json_safe
+from engine.config.resolved import versions_ahead
 from engine.config.schema import RunConfig
 from engine.errors import ConfigError
 from engine.memory.report import (CATEGORIES, OFFLOAD_MODES, Fix, MemoryEstimate, PhaseEstimate,
@@ -534,6 +535,18 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         f["kv_cache"] = (f"vLLM pool: gpu_memory_utilization {run_cfg.rollout.gpu_memory_utilization} x device "
                          f"- weights {_fmt(full)} (the batch needs {_fmt(kv_need)})")
     sample_logits = sh.rollout_seqs * dims.vocab_size * 4 * 2
+    worker = None
+    if versions_ahead(run_cfg):  # engine/trainer/rollout_worker.py: its own full copy, the whole batch at once
+        rows = run_cfg.data.train_batch_size * run_cfg.algorithm.rollout_n
+        at_once = rows if vllm else min(rows, run_cfg.rollout.micro_batch_size or rows)
+        w_kv = kv_per_token * sh.seq_len * at_once
+        if vllm and device_memory_bytes:
+            w_kv = max(int(run_cfg.rollout.gpu_memory_utilization * device_memory_bytes) - full, 0)
+        worker = {"params": full, "kv_cache": w_kv, "logits": at_once * dims.vocab_size * 4 * 2}
+        worker["total"] = sum(worker.values())
+        f["rollout_worker"] = (f"the policy unsharded ({st.total:,} x {a} B) + KV cache {kv_per_token:,} B/token x "
+                               f"{sh.seq_len} x {at_once} sequences" + (" (vLLM's pool)" if vllm and device_memory_bytes
+                                                                        else "") + " + sampling logits")
 
     # what must be on the device in each phase
     resident_params = 0 if param_offload else params + ref
@@ -546,9 +559,10 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         phases.append(PhaseEstimate(name, cats, sum(v for c, v in cats.items() if c != "activations_host")))
 
     roll_params = (resident_params if vllm else params + (0 if param_offload else ref)) + gen_copy
-    add("rollout", params=roll_params, optimizer=resident_opt, logits=sample_logits,
-        fp8_workspaces=resident_fp8, kv_cache=kv)
-    if vllm:
+    if worker is None or run_cfg.trainer.val_freq:  # sampling ahead: the ranks sample only to validate
+        add("rollout", params=roll_params, optimizer=resident_opt, logits=sample_logits,
+            fp8_workspaces=resident_fp8, kv_cache=kv)
+    if vllm and worker is None:
         add("weight_sync", params=resident_params + params + gen_copy, optimizer=resident_opt,
             fp8_workspaces=resident_fp8)
     add("old_log_probs", params=params + gather + (0 if param_offload else ref), optimizer=resident_opt,
@@ -591,8 +605,10 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         "rollout": run_cfg.rollout.name, "grads_released_after_step": True,
         "offload_schedule": "offloaded state is brought back only for the phases that use it",
     }
+    if worker is not None:  # while the ranks update, the worker samples the next batch
+        worker["rank0_peak_if_shared"] = peak.total + worker["total"]
     return {"layout": lay, "shapes": sh, "phases": phases, "peak": peak, "host": host, "per_rank": per_rank,
-            "formulas": f, "assumptions": assumptions, "params_rank": n_rank, "model_bytes": full}
+            "formulas": f, "assumptions": assumptions, "params_rank": n_rank, "model_bytes": full, "worker": worker}
 
 
 def _with_overrides(run_cfg: RunConfig, overrides: dict) -> RunConfig:
@@ -711,13 +727,22 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
                  if lay.ep > 1 else "every expert's parameters are counted (all experts live on every rank)")
         notes.append(f"mixture of experts: {where}; activations use the dense per-layer formula with config "
                      "intermediate_size, a rough figure for routed MLPs")
+    worker = cur["worker"]
+    if worker is not None:
+        mode = f"trainer.mode={run_cfg.trainer.mode}"
+        notes.append(f"{mode}: the rollout worker samples the next batches in its own process, with its own copy "
+                     f"of the policy ({_fmt(worker['total'])} in all). On GPUs it takes a GPU of its own when the "
+                     f"cluster has one beyond the ranks' ({lay.nprocs} + 1); otherwise it shares rank 0's device, "
+                     f"where it samples while rank 0 updates: rank 0's peak is then "
+                     f"{_fmt(worker['rank0_peak_if_shared'])}" + ("" if run_cfg.trainer.val_freq else
+                                                                    "; the ranks themselves sample nothing"))
     return MemoryEstimate(
         model=st.source, param_count=st.total, model_bytes=cur["model_bytes"], backend=lay.backend,
         layout={"nprocs": lay.nprocs, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep},
         dtype=run_cfg.model.dtype, assumptions=cur["assumptions"], per_rank=cur["per_rank"],
         phases=cur["phases"], peak_phase=cur["peak"].phase, peak_bytes=cur["peak"].total,
         device_memory_bytes=device_memory_bytes, offload_matrix=matrix, fixes=fixes[:5],
-        formulas=cur["formulas"], notes=notes, moe=moe)
+        formulas=cur["formulas"], notes=notes, moe=moe, rollout_worker=worker)
 
 
 def _local_device_memory() -> Optional[int]:

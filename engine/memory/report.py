@@ -200,6 +200,8 @@ class MemoryEstimate(_JSON):
     notes: list = field(default_factory=list)
     moe: Optional[dict] = None             # mixture of experts: experts, expert/router params, routing
                                            # record bytes (per rollout batch on host, per micro-batch on device)
+    rollout_worker: Optional[dict] = None  # trainer.mode samples ahead: the rollout worker's own bytes
+                                           # (params, kv_cache, logits, total) and rank 0's peak if it shares its device
 
     def phase(self, name: str) -> Optional[PhaseEstimate]:
         return next((p for p in self.phases if p.phase == name), None)

@@ -92,6 +92,13 @@ def summary_table(rep) -> Table:
         t.add_row("device", human_bytes(dev) if dev else "unknown (give --device-memory)")
         t.add_row("estimated peak", f"[bold]{human_bytes(est.peak_bytes)}[/] per rank in {est.peak_phase}"
                                     + (f"  {_verdict(est.peak_bytes <= dev)}" if dev else ""))
+        w = getattr(est, "rollout_worker", None)
+        if w:  # trainer.mode samples ahead: a process of its own, on its own GPU or rank 0's
+            shared = w["rank0_peak_if_shared"]
+            t.add_row("rollout worker", f"{human_bytes(w['total'])} (policy {human_bytes(w['params'])}, KV cache "
+                                        f"{human_bytes(w['kv_cache'])}, logits {human_bytes(w['logits'])}); on rank "
+                                        f"0's device it makes rank 0's peak {human_bytes(shared)}"
+                                        + (f"  {_verdict(shared <= dev)}" if dev else ""))
     if rep.measured:
         ranks = sorted({r.rank for r in rep.measured})
         steps = rep.steps
