@@ -120,14 +120,23 @@ class RolloutAhead:
         ray.kill(self.actor)
 
     # ---- the schedule ------------------------------------------------------------------------
-    def take(self, k: int, step: int = 0) -> tuple[list[int], int, SequenceBatch, dict, object]:
+    def take(self, k: int, step: int = 0,
+             queue_next: bool = False) -> tuple[list[int], int, SequenceBatch, dict, object]:
         """The next ``k`` prompts' batch for ``step``: the one queued when it has ``k`` prompts,
         else sampled now. Returns (prompt indices, samples seen once drawn, batch, stats with
-        ``version``, what ``score`` returned for it at ``step`` or None: not scored yet)."""
+        ``version``, what ``score`` returned for it at ``step`` or None: not scored yet).
+
+        ``queue_next``: ask for the next steps' batches (``queue_ahead``) before waiting for this
+        one and its rewards. They are sampled with the same weights either way (the last version
+        loaded, before this step's update) and asked in the same order, so the run is the same;
+        the worker just starts them while this batch is still being scored, instead of idling
+        until the step has its rewards (docs/async.md, "The schedule")."""
         if self.queue and len(self.queue[0].indices) == k:
             d = self.queue.pop(0)
         else:
             d = self._ask(k)
+        if queue_next:
+            self.queue_ahead(step)
         self.score_wait_s = 0.0  # what this take waited for the batch's scoring to finish
         scored, t0 = None, time.perf_counter()
         if d.scoring is not None:

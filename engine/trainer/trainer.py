@@ -394,7 +394,8 @@ def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: Promp
     if ahead is None:
         batch, stats = generate_turns(inputs, workers, [inputs.train_prompts[i] for i in idx], n, idx=idx)
     else:  # the rollout worker's batch, queued earlier or sampled now (engine/trainer/rollout_ahead.py)
-        idx, seen, batch, one, pre = ahead.take(k, step)
+        # the next batches are asked first, unless dynamic sampling may still ask for more rounds now
+        idx, seen, batch, one, pre = ahead.take(k, step, queue_next=not cfg.algorithm.dynamic_sampling)
         version, stats = one["version"], [one]
         # what the step waited for it; "rollout" stays the sampling's own time (tokens/s)
         timing["rollout_wait"] = timing.get("rollout_wait", 0.0) + time.perf_counter() - t - ahead.score_wait_s
