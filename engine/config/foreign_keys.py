@@ -98,7 +98,9 @@ _V = [  # verl
     ("custom_reward_function.name", "task.reward_fn", "file and function together: task.reward_fn=path/to/file.py:fn"),
     ("reward_model.model.path", "task.reward_model.path", ""),
 ]
-_T = [  # TRL GRPOConfig
+_T = [  # TRL GRPOConfig (and its CLI's model_name_or_path, dataset_name)
+    ("model_name_or_path", "model.path", ""),
+    ("dataset_name", "task.path", "with task=dataset; a Hub dataset name in the local cache, or a file"),
     ("learning_rate", "optim.lr", ""),
     ("num_generations", "algorithm.rollout_n", ""),
     ("max_completion_length", "rollout.max_new_tokens", ""),
@@ -135,7 +137,7 @@ _VALUE_DIFFERS = {"algorithm.use_kl_in_reward", "data.train_files", "data.val_fi
                   _A + "optim.lr_scheduler_type", "trainer.total_epochs", "trainer.n_gpus_per_node", "trainer.logger",
                   "trainer.resume_mode", "custom_reward_function.path", "custom_reward_function.name", "loss_type",
                   "scale_rewards", "importance_sampling_level", "lr_scheduler_type", "num_train_epochs", "use_vllm",
-                  "report_to", "per_device_train_batch_size"}
+                  "report_to", "per_device_train_batch_size", "dataset_name"}
 FOREIGN_KEYS: dict[str, ForeignKey] = {k: ForeignKey(tool, rl, note, k not in _VALUE_DIFFERS)
                                        for tool, table in (("verl", _V), ("TRL", _T)) for k, rl, note in table}
 
