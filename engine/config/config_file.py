@@ -122,7 +122,8 @@ def _group_shorthand(data: dict, what: str) -> dict:
         if isinstance(value, str):
             options = group_options(group)
             if value not in options:
-                raise ConfigError(f"{what}: `{group}: {value}` is not a known {group} option.{suggest_option(group, value, options)} "
+                hint = suggest_option(group, value, options)
+                raise ConfigError(f"{what}: `{group}: {value}` is not a known {group} option.{hint} "
                                   f"Options: {', '.join(options)}.", title="unknown config option")
             out[group] = {key.split(".", 1)[1]: value}
     return out

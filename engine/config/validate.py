@@ -14,8 +14,8 @@ import re
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
-from engine.config.lengths import is_multi_turn, longest_sequence
 from engine.config.foreign_keys import foreign_message
+from engine.config.lengths import is_multi_turn, longest_sequence
 from engine.config.removed_keys import removed_message
 from engine.config.schema import ENGINE_CONFIGS, RunConfig, nested_section, section_types
 from engine.errors import ConfigError
@@ -67,9 +67,7 @@ def suggest_option(group: str, value: str, options: list[str]) -> str:
     """What to say about ``group=value`` that names no option of the group: when ``value`` is a
     choice of one of the group section's keys (``algorithm=gspo``: a value of ``algorithm.loss``),
     that key; else the closest option."""
-    from dataclasses import fields
-
-    from engine.config.schema import CONFIG_GROUP_DEFAULTS, section_types
+    from engine.config.schema import CONFIG_GROUP_DEFAULTS
 
     for f in fields(section_types().get(group) or object):
         if f.name != "name" and value in (f.metadata.get("choices") or ()):

@@ -449,6 +449,8 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     n_rank, lin_rank = _params_on_rank(st, lay)
     has_ref = run_cfg.algorithm.kl_coef > 0
     vllm = run_cfg.rollout.name == "vllm"
+    ahead = versions_ahead(run_cfg) > 0  # the rollout worker samples (with vLLM when asked); the ranks validate
+    rank_vllm = vllm and not ahead       # with the torch sampler
     f: dict[str, str] = {}
 
     # params / grads / optimizer. FSDP2 keeps fp32 parameters whatever model.dtype says (its
@@ -526,17 +528,17 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     full = st.total * a
     kv_per_token = 2 * dims.num_layers * dims.num_key_value_heads * dims.d * a
     kv_need = kv_per_token * sh.seq_len * sh.rollout_seqs
-    gen_copy = full if (vllm or params < full) else 0
+    gen_copy = full if (rank_vllm or params < full) else 0
     kv = kv_need
     f["kv_cache"] = f"{kv_per_token:,} B/token x {sh.seq_len} x {sh.rollout_seqs} sequences"
-    if vllm and device_memory_bytes:
+    if rank_vllm and device_memory_bytes:
         pool = int(run_cfg.rollout.gpu_memory_utilization * device_memory_bytes) - full
         kv = max(pool, 0)
         f["kv_cache"] = (f"vLLM pool: gpu_memory_utilization {run_cfg.rollout.gpu_memory_utilization} x device "
                          f"- weights {_fmt(full)} (the batch needs {_fmt(kv_need)})")
     sample_logits = sh.rollout_seqs * dims.vocab_size * 4 * 2
     worker = None
-    if versions_ahead(run_cfg):  # engine/trainer/rollout_worker.py: its own full copy, the whole batch at once
+    if ahead:  # engine/trainer/rollout_worker.py: its own full copy, the whole batch at once
         rows = run_cfg.data.train_batch_size * run_cfg.algorithm.rollout_n
         at_once = rows if vllm else min(rows, run_cfg.rollout.micro_batch_size or rows)
         w_kv = kv_per_token * sh.seq_len * at_once
@@ -558,11 +560,11 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
         cats = {c: int(cats.get(c, 0)) for c in CATEGORIES}
         phases.append(PhaseEstimate(name, cats, sum(v for c, v in cats.items() if c != "activations_host")))
 
-    roll_params = (resident_params if vllm else params + (0 if param_offload else ref)) + gen_copy
+    roll_params = (resident_params if rank_vllm else params + (0 if param_offload else ref)) + gen_copy
     if worker is None or run_cfg.trainer.val_freq:  # sampling ahead: the ranks sample only to validate
         add("rollout", params=roll_params, optimizer=resident_opt, logits=sample_logits,
             fp8_workspaces=resident_fp8, kv_cache=kv)
-    if vllm and worker is None:
+    if rank_vllm:
         add("weight_sync", params=resident_params + params + gen_copy, optimizer=resident_opt,
             fp8_workspaces=resident_fp8)
     add("old_log_probs", params=params + gather + (0 if param_offload else ref), optimizer=resident_opt,
