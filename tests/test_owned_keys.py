@@ -19,7 +19,7 @@ from dataclasses import asdict
 import pytest
 
 from engine.config.load import apply_overrides_to, group_options, load_run_config
-from engine.config.owned_keys import owned_keys
+from engine.config.owned_keys import chosen_option, owned_keys
 from engine.errors import ConfigError
 from tests.cli_utils import cli, flat
 
@@ -38,10 +38,22 @@ def _value(key: str) -> str:
     return '""' if v == "" else str(v)
 
 
+def _options(group: str) -> list[str]:
+    """A config group's options, or a choice field's choices (``trainer.mode``)."""
+    if "." not in group:
+        return group_options(group)
+    from dataclasses import fields
+
+    from engine.config.schema import section_types
+
+    section, key = group.split(".")
+    return list(next(f for f in fields(section_types()[section]) if f.name == key).metadata["choices"])
+
+
 def _cases():
     for key, rule in sorted(owned_keys().items()):
         for group, readers in rule.items():
-            for option in group_options(group):
+            for option in _options(group):
                 yield key, group, option, option in readers
 
 
@@ -65,6 +77,7 @@ def test_the_declared_rules_are_the_expected_ones():
         "algorithm.whiten_advantages": {"algorithm": ("ppo",)},
         **{f"critic.{k}": {"algorithm": ("ppo",)} for k in
            ("model_path", "lr", "weight_decay", "grad_clip", "cliprange_value", "warmup_steps")},
+        "trainer.max_staleness": {"trainer.mode": ("async",)},
     }
 
 
@@ -76,7 +89,7 @@ def test_each_rule_with_a_real_load(key, group, option, reads):
     override = f"{key}={_value(key)}"
     if reads:
         cfg = load_run_config([*line, override], engine=engine).config
-        assert getattr(cfg, group).name == option
+        assert chosen_option(cfg, group) == option
         return
     with pytest.raises(ConfigError) as e:
         load_run_config([*line, override], engine=engine)
@@ -173,3 +186,7 @@ def test_the_code_that_reads_each_key_belongs_to_its_option():
     assert "cfg.lam" in ppo and "cfg.whiten_advantages" in ppo and "cfg.gamma" in ppo and "cfg.gamma" in rpp
     assert not any(f"cfg.{k}" in rest for k in ("lam", "whiten_advantages", "gamma"))
     assert "cfg.norm_adv_by_std" in rest and "cfg.norm_adv_by_std" not in ppo + rpp
+    # max_staleness is read where the mode says how far ahead to sample, for async alone
+    from engine.config.resolved import versions_ahead
+
+    assert '{"sync": 0, "one_step_off": 1}.get(t.mode, t.max_staleness)' in inspect.getsource(versions_ahead)

@@ -172,6 +172,15 @@ def test_a_staleness_bound_past_32_is_refused():
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_a_staleness_bound_outside_async_is_refused():
+    """one_step_off is staleness 1 by definition and sync 0: a max_staleness given with them would be
+    silently ignored, so it is refused naming the mode that reads it."""
+    r = rl("train", "trainer.mode=one_step_off", "trainer.max_staleness=3", "checkpoint.dir=/nonexistent/x", timeout=60)
+    said = " ".join(r.stderr.replace("│", " ").split())
+    assert r.returncode == 2 and "`trainer.max_staleness` is read only with trainer.mode=async, and this run's " \
+        "trainer.mode is `one_step_off`" in said, r.stderr[-2000:]
+
+
 def test_a_weight_that_would_be_one_is_refused():
     """rollout_is=token with the behaviour ratio under one_step_off: pi_old is then pi_rollout, the weight
     is 1, and the user asked for a correction that cannot happen."""

@@ -46,11 +46,18 @@ def _walk(cls, prefix: str, inherited: dict, out: dict) -> None:
             out[key] = rule
 
 
+def chosen_option(cfg: RunConfig, group: str) -> str:
+    """The option ``cfg`` has chosen for ``group``: a config group (its section's ``name``), or a
+    choice field (``trainer.mode``)."""
+    section, _, key = group.partition(".")
+    return getattr(getattr(cfg, section), key or "name")
+
+
 def ignored_by(cfg: RunConfig, key: str) -> tuple[str, tuple[str, ...], str] | None:
     """(group, the options that read ``key``, the chosen option) when the chosen option of a
     group does not read ``key``; None when the run reads it."""
     for group, options in owned_keys().get(key, {}).items():
-        chosen = getattr(cfg, group).name
+        chosen = chosen_option(cfg, group)
         if chosen not in options:
             return group, options, chosen
     return None

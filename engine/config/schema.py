@@ -7,8 +7,9 @@ a ``metadata["choices"]`` or ``metadata["min"]``/``["max"]`` (``["above"]``: an 
 bound) that validation enforces.
 
 A key that only some options of a config group read says so in ``metadata["only_for"]``, e.g.
-``{"rollout": ("vllm",)}`` (on a section's field in RunConfig: every key of the section);
-setting it while another option is chosen is refused (engine/config/owned_keys.py).
+``{"rollout": ("vllm",)}`` (on a section's field in RunConfig: every key of the section), or of a
+choice field, ``{"trainer.mode": ("async",)}``; setting it while another option is chosen is
+refused (engine/config/owned_keys.py).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class TrainerConfig:
     max_staleness: int = _f(1, "async: how many policy versions a sample may lag the weights it is trained from "
                                "(0 = no rollout ahead: the sync trainer exactly). Each version ahead is a batch "
                                "queued on the rollout worker, and the run's last steps queue theirs too (a resume "
-                               "that extends the run trains on them), so at most 32", min=0, max=32)
+                               "that extends the run trains on them), so at most 32", min=0, max=32,
+                            only_for={"trainer.mode": ("async",)})
     stream_groups: bool = _f(False, "sync, torch rollout: score each prompt group as soon as all its samples have "
                                     "ended, while the ranks decode the rest; the run is the same as without it, "
                                     "only the reward waits less (docs/async.md)")
