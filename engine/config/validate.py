@@ -419,10 +419,6 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
                 title="invalid config")
     if is_multi_turn(cfg):  # multi-turn (engine/agents)
         what = "task.tools" if cfg.task.tools else "task.environment" if cfg.task.environment else "task=tool_add"
-        if cfg.trainer.mode != "sync":
-            raise ConfigError(f"`{what}` (multi-turn rollouts) with `trainer.mode={cfg.trainer.mode}` is not "
-                              f"supported yet: the rollout worker that samples ahead runs single turns. Use "
-                              f"trainer.mode=sync.", title="invalid config")
         if cfg.algorithm.router_replay != "off":
             raise ConfigError(f"`{what}` (multi-turn rollouts) with `algorithm.router_replay="
                               f"{cfg.algorithm.router_replay}` is not supported: tool tokens have no routing "

@@ -20,12 +20,20 @@ it (``score_with``), while the ranks still update, with the trainer state of the
 train on it; the step then only waits for what is left. A batch taken by another step than
 expected (dynamic sampling's extra rounds) is scored again, at the step that takes it.
 
+Multi-turn rollouts (task.tools, task.environment): the agent loop runs on the driver, on one
+thread (``rl-episodes``), each model turn a ``generate`` call on the worker, the tools and the
+environment between turns where they run in sync mode. Every call on the worker -- the episodes'
+turns and the weight loads -- is made from that thread in the order the schedule asked for them,
+so every turn of a batch is sampled with the weights that a single-turn batch asked at the same
+moment would have had, whatever the timing, and the run is reproducible.
+
 Checkpoints: ``state_dict`` waits for the queued batches and returns them with the worker's
 sampling generator, so a resumed run trains on the same samples and continues the same stream
 (exact resume, as in sync mode)."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -58,7 +66,10 @@ class Draw:
 
     def wait(self, timeout_s: float) -> "Draw":
         if self.batch is None:
-            self.batch, self.stats = get(self.pending, timeout_s, "the rollout worker's rollout")
+            if isinstance(self.pending, Future):  # multi-turn episodes, on the rl-episodes thread
+                self.batch, self.stats = self.pending.result()  # (each turn's call has its own timeout)
+            else:
+                self.batch, self.stats = get(self.pending, timeout_s, "the rollout worker's rollout")
             self.pending = None
         return self
 
@@ -70,8 +81,20 @@ def rollout_worker_gpus(workers: WorkerGroup, cluster_gpus: float) -> int:
     return 1 if on_gpu and cluster_gpus >= len(workers.info) + 1 else 0
 
 
+def merge_turn_stats(calls: list[dict], seconds: float) -> dict:
+    """One stats record for a batch of multi-turn episodes from its turns' ``generate`` records:
+    ``time`` the episodes' wall time (tools and environment included, as a sync rollout counts
+    them), peaks kept, and the one version every turn was sampled with."""
+    versions = {c["version"] for c in calls}
+    if len(versions) != 1:
+        raise RuntimeError(f"one batch's turns were sampled with different policy versions: {sorted(versions)}")
+    out = {k: max(c[k] for c in calls) for k in ("kv_cache_bytes", "rss_peak") if all(k in c for c in calls)}
+    return {**out, "time": seconds, "version": versions.pop(), "turn_calls": len(calls)}
+
+
 class RolloutAhead:
-    def __init__(self, cfg: RunConfig, workers: WorkerGroup, stream: PromptStream, train_prompts: list[list[int]]):
+    def __init__(self, cfg: RunConfig, workers: WorkerGroup, stream: PromptStream, train_prompts: list[list[int]],
+                 episodes: Callable | None = None):
         import ray
 
         from engine.threads import rank_env, usable_cpus
@@ -83,6 +106,10 @@ class RolloutAhead:
         self.queue: list[Draw] = []
         self._score: Callable | None = None   # score(draw, step) -> what the trainer keeps of a scored batch
         self._scoring: ThreadPoolExecutor | None = None
+        # multi-turn: episodes(generate, prompts, prompt indices) -> the batch, the agent loop with
+        # generate(prompts, n) one turn on the worker; every worker call then goes through one thread
+        self.episodes = episodes
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-episodes") if episodes else None
         self.score_wait_s = 0.0
         self.sync_s = 0.0  # the last weight load's export + hand-over, on the driver's clock
         threads = max(1, usable_cpus() // (cfg.trainer.nprocs + 1))
@@ -111,13 +138,16 @@ class RolloutAhead:
     def shutdown(self) -> None:
         import ray
 
-        if self._scoring is not None:
-            self._scoring.shutdown(wait=True, cancel_futures=True)
+        threads = [t for t in (self._calls, self._scoring) if t is not None]
+        for t in threads:  # nothing new starts; a call waiting on the worker ends when it goes
+            t.shutdown(wait=False, cancel_futures=True)
         try:
             get(self.actor.shutdown.remote(), 30, "the rollout worker to stop")
         except Exception:
             pass
         ray.kill(self.actor)
+        for t in threads:
+            t.shutdown(wait=True)
 
     # ---- the schedule ------------------------------------------------------------------------
     def take(self, k: int, step: int = 0,
@@ -165,13 +195,33 @@ class RolloutAhead:
     def _ask(self, k: int) -> Draw:
         idx = self.stream.next_indices(k)
         prompts = [self.prompts[i] for i in idx]
+        if self._calls is not None:
+            return Draw(idx, self.stream.pos.samples_seen, self._calls.submit(self._run_episodes, prompts, idx))
         return Draw(idx, self.stream.pos.samples_seen, self.actor.generate.remote(prompts, self.n))
 
+    def _run_episodes(self, prompts: list[list[int]], idx: list[int]):
+        """On the rl-episodes thread: the agent loop over ``prompts``, each turn sampled on the worker."""
+        calls: list[dict] = []
+
+        def turn(turn_prompts: list[list[int]], n: int):
+            batch, stats = get(self.actor.generate.remote(turn_prompts, n), self.timeout,
+                               "the rollout worker's rollout")
+            calls.append(stats)
+            return batch
+
+        t0 = time.perf_counter()
+        batch = self.episodes(turn, prompts, idx)
+        return batch, merge_turn_stats(calls, time.perf_counter() - t0)
+
     def load_version(self, version: int) -> None:
-        """After an update: the ranks' weights to the worker, behind what it was already asked."""
+        """After an update: the ranks' weights to the worker, behind what it was already asked
+        (multi-turn: behind the episodes already asked for, each of whose turns use the older weights)."""
         t0 = time.perf_counter()
         weights = self.workers.export_weights()
-        self.actor.load_weights.remote(weights, version)
+        if self._calls is not None:
+            self._calls.submit(self.actor.load_weights.remote, weights, version)
+        else:
+            self.actor.load_weights.remote(weights, version)
         self.sync_s = time.perf_counter() - t0
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -187,12 +237,16 @@ class RolloutAhead:
             d.wait(self.timeout)
             rows.append({"indices": list(d.indices), "samples_seen": d.samples_seen, "stats": dict(d.stats),
                          "batch": {name: getattr(d.batch, name) for name in d.batch.tensor_fields()}})
+            if "agent" in d.batch.extras:  # multi-turn: the conversations and what scoring reads of them
+                rows[-1]["agent"] = json.dumps(d.batch.extras["agent"], default=str)
         return {"queue": rows, "generator": get(self.actor.rng_state.remote(), self.timeout,
                                                 "the rollout worker's state")}
 
     def load_state_dict(self, state: dict) -> None:
         from engine.batch import SequenceBatch
 
-        self.queue = [Draw(r["indices"], r["samples_seen"], None, SequenceBatch(**r["batch"]), r["stats"])
+        self.queue = [Draw(r["indices"], r["samples_seen"], None,
+                           SequenceBatch(**r["batch"], extras={"agent": json.loads(r["agent"])} if "agent" in r else {}),
+                           r["stats"])
                       for r in state["queue"]]
         get(self.actor.set_rng_state.remote(state["generator"]), self.timeout, "the rollout worker's state")

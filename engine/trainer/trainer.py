@@ -214,7 +214,11 @@ def start_rollout_ahead(cfg: RunConfig, inputs: RunInputs, workers, stream: Prom
     the batches the checkpoint had queued and its sampling generator."""
     from engine.trainer.rollout_ahead import RolloutAhead
 
-    ahead = RolloutAhead(cfg, workers, stream, inputs.train_prompts)
+    episodes = None
+    if inputs.agent is not None:  # multi-turn: the agent loop on the driver, each turn sampled on the worker
+        n = cfg.algorithm.rollout_n
+        episodes = lambda generate, prompts, idx: run_episodes(inputs, generate, prompts, n, idx)  # noqa: E731
+    ahead = RolloutAhead(cfg, workers, stream, inputs.train_prompts, episodes)
     ahead.score_with(lambda d, step: score_rollout(cfg, inputs, stream.n, d.indices, d.samples_seen, d.batch, step))
     try:
         ahead.start(workers.model_path, inputs.vocab, start_step)
@@ -488,12 +492,20 @@ def generate_turns(inputs: RunInputs, workers, prompts: list[list[int]], n: int,
         stats.append(s)
         return b
 
+    return run_episodes(inputs, gen, prompts, n, idx), _merge_gen_stats(stats)
+
+
+def run_episodes(inputs: RunInputs, generate, prompts: list[list[int]], n: int, idx=None) -> SequenceBatch:
+    """The multi-turn loop (engine/agents/loop.py) over ``generate(prompts, n)`` -- the ranks', or
+    the rollout worker's (trainer.mode=one_step_off|async) -- for the training prompts ``idx`` (None:
+    the held-out set); ``extras["agent"]`` holds the conversations, the last turns (what the reward
+    scores), the environment's rewards and the loop's metrics."""
     examples = inputs.task.val if idx is None else [inputs.task.train[i] for i in idx]
-    out = inputs.agent.run(gen, prompts, examples, n, inputs.tokenizer)
+    out = inputs.agent.run(generate, prompts, examples, n, inputs.tokenizer)
     out.batch.extras["agent"] = {"responses": out.responses(), "env_rewards": out.env_rewards(),
                                  "metrics": out.metrics(),
                                  "conversations": [t.messages for t in out.trajectories]}
-    return out.batch, _merge_gen_stats(stats)
+    return out.batch
 
 
 def _merge_gen_stats(calls: list[list[dict]]) -> list[dict]:
