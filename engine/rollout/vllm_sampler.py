@@ -366,7 +366,10 @@ def set_vllm_env(device: torch.device) -> None:
     # the engine core must be its own process: in-process (=0) it shares torch.distributed
     # with the trainer and destroys the trainer's default process group at shutdown
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's warnings on every start (some 40 lines a rank on CPU, among them a chat-template warm-up
+    # traceback that skip_tokenizer_init causes) bury the run's own output; its errors still show.
+    # VLLM_LOGGING_LEVEL=WARNING (or INFO) set by the user brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # stdout is the CLI's (`rl train --json` prints JSON there; Ray forwards ranks' stdout to it)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
