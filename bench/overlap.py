@@ -6,6 +6,8 @@
     # a slow reward scored chunk by chunk while the ranks sample (trainer.stream_groups), against sync
     # with the same chunks:
     python bench/overlap.py --jobs shape256 --modes sync sync_stream --reward-sleep-ms 4 --rl-extra rollout.micro_batch_size=16
+    # multi-turn: task=tool_add whose calculator answers after a sandbox's latency, in the reward pool
+    python bench/overlap.py --jobs tools --modes sync one_step_off --tool-latency-ms 100
 
 Each (job, mode) is one real `rl train`; the figures are medians over its steps after the first two
 (start-up and the first rollout, which nothing can overlap, left out): the step's wall time, the
@@ -14,7 +16,9 @@ time it waited for rewards (`reward`) and the scoring done while it did somethin
 (`reward_ahead`), the update, the weight export to the rollout worker, and the ratio of the step time to sync's measured
 in the same invocation. `default` is `rl train`'s embedded job; `shape256` is bench/learning.py's
 `reverse` job (a 3.4M-parameter Llama, hidden 256, 8 prompts x 8 samples, 32 new tokens: the
-shape bench/vs_trl.py calls `base`)."""
+shape bench/vs_trl.py calls `base`); `tools` is the built-in multi-turn `tool_add` task (8 prompts x 8
+trajectories, up to 3 model turns of 8 tokens) with its calculator behind ``--tool-latency-ms`` a call,
+the calls of a turn run 8 at a time in the reward process pool (task.reward_workers=8)."""
 
 from __future__ import annotations
 
@@ -40,11 +44,32 @@ def slow_reward(prompt, response, answer):
     time.sleep({ms} / 1000)  # a sandbox or a verifier's cost, per sample
     return _reward(prompt, response, answer)
 """
+SLOW_TOOLS = """import time
+
+from engine.agents.calculator_env import CalculatorEnvironment
+from engine.tasks.tool_add import calculator as _calculator
 
 
-def job_overrides(job: str, work: Path, steps: int) -> tuple[list[str], Path]:
+def calculator(expr: str) -> str:
+    time.sleep({ms} / 1000)  # a sandbox's round trip
+    return _calculator(expr)
+
+
+class SlowCalculator(CalculatorEnvironment):
+    def __init__(self):
+        super().__init__()
+        self.tools = {{"calculator": calculator}}
+"""
+
+
+def job_overrides(job: str, work: Path, steps: int, tool_ms: float = 0.0) -> tuple[list[str], Path]:
     if job == "default":
         return [f"trainer.total_steps={steps}"], work
+    if job == "tools":
+        (work / "slow_tools.py").write_text(SLOW_TOOLS.format(ms=tool_ms))
+        return [f"trainer.total_steps={steps}", "task=tool_add", "task.environment=slow_tools:SlowCalculator",
+                "task.reward_workers=8", "rollout.max_turns=3", "rollout.max_new_tokens=8", "data.train_batch_size=8",
+                "algorithm.rollout_n=8"], work
     sys.path.insert(0, str(ROOT))
     from bench.learning import build_job, rl_overrides
 
@@ -63,7 +88,7 @@ def slow_reward_overrides(job: str, cwd: Path, ms: float) -> list[str]:
 
 
 def run(job: str, mode: str, args, work: Path) -> dict:
-    overrides, cwd = job_overrides(job, work, args.steps)
+    overrides, cwd = job_overrides(job, work, args.steps, args.tool_latency_ms)
     run_dir = Path(tempfile.mkdtemp(prefix="rl-overlap-", dir="/tmp"))
     shutil.rmtree(run_dir)
     overrides += slow_reward_overrides(job, cwd, args.reward_sleep_ms)
@@ -93,11 +118,12 @@ def run(job: str, mode: str, args, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--jobs", nargs="+", default=["default", "shape256"], choices=["default", "shape256"])
+    ap.add_argument("--jobs", nargs="+", default=["default", "shape256"], choices=["default", "shape256", "tools"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rl-extra", nargs="*", default=[])
     ap.add_argument("--reward-sleep-ms", type=float, default=0.0, help="shape256: the reward sleeps this long a sample")
+    ap.add_argument("--tool-latency-ms", type=float, default=100.0, help="tools: each calculator call sleeps this long")
     ap.add_argument("--work", default="/tmp/rl-overlap")
     ap.add_argument("--json", default="")
     args = ap.parse_args()

@@ -3,6 +3,8 @@ calculator (rollout.max_turns=2) beside its no-tool twin (rollout.max_turns=1: a
 trajectory unanswered), per seed, with the held-out accuracy at the end (greedy, exact answers).
 
     OMP_NUM_THREADS=2 python bench/tool_task.py --seeds 0 1 2 --steps 500 [--json out.json]
+    # the tool runs sampled ahead of the update (trainer.mode) beside sync, without the twins:
+    OMP_NUM_THREADS=1 python bench/tool_task.py --modes sync one_step_off --no-twin --parallel 2
 
 Prints a markdown table (docs/agents.md has the figures). Train figures are the last 20 steps' means.
 """
@@ -21,9 +23,9 @@ SETTINGS = ["task=tool_add", "optim.lr=0.002", "data.train_batch_size=16", "algo
             "trainer.sample_log_freq=0"]
 
 
-def run(seed: int, steps: int, turns: int, root: Path, threads: int) -> dict:
-    d = root / f"turns{turns}-seed{seed}"
-    cmd = [sys.executable, "-m", "rlcli.main", "train", *SETTINGS, f"rollout.max_turns={turns}",
+def run(seed: int, steps: int, turns: int, root: Path, threads: int, mode: str = "sync") -> dict:
+    d = root / f"turns{turns}-{mode}-seed{seed}"
+    cmd = [sys.executable, "-m", "rlcli.main", "train", *SETTINGS, f"rollout.max_turns={turns}", f"trainer.mode={mode}",
            f"trainer.total_steps={steps}", f"trainer.val_freq={steps}", f"trainer.seed={seed}",
            f"trainer.threads_per_rank={threads}", f"checkpoint.dir={d}"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -31,7 +33,7 @@ def run(seed: int, steps: int, turns: int, root: Path, threads: int) -> dict:
     val = [json.loads(x) for x in (d / "validation.jsonl").read_text().splitlines()][-1]
     last = rows[-20:]
     mean = lambda f: sum(f(r) for r in last) / len(last)  # noqa: E731
-    return {"seed": seed, "tool": turns > 1, "steps": len(rows), "train_reward": mean(lambda r: r["reward_mean"]),
+    return {"seed": seed, "tool": turns > 1, "mode": mode, "steps": len(rows), "train_reward": mean(lambda r: r["reward_mean"]),
             "train_accuracy": mean(lambda r: r["accuracy"]), "turns": mean(lambda r: r["algo"]["agent_turns_mean"]),
             "tool_calls": mean(lambda r: r["algo"]["agent_tool_calls"]),
             "heldout_accuracy": val["accuracy"], "heldout_reward": val["reward"]}
@@ -42,18 +44,25 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", default=["sync"], choices=["sync", "one_step_off"],
+                    help="trainer.mode of the runs")
+    ap.add_argument("--no-twin", action="store_true", help="skip the no-tool twins (rollout.max_turns=1)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    out = []
-    with tempfile.TemporaryDirectory(prefix="tool-task-") as tmp:
-        for turns in (2, 1):
-            for seed in args.seeds:
-                out.append(run(seed, args.steps, turns, Path(tmp), args.threads))
-                print(json.dumps(out[-1]), file=sys.stderr, flush=True)
-    print("| run | seed | train reward (incl. bonus) | train accuracy | turns | tool calls | held-out accuracy | held-out reward |")
-    print("|---|---|---|---|---|---|---|---|")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with tempfile.TemporaryDirectory(prefix="tool-task-") as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        jobs = [(seed, args.steps, turns, Path(tmp), args.threads, mode)
+                for turns in ((2,) if args.no_twin else (2, 1)) for mode in args.modes for seed in args.seeds]
+        out = []
+        for r in pool.map(lambda j: run(*j), jobs):
+            out.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    print("| run | mode | seed | train reward (incl. bonus) | train accuracy | turns | tool calls | held-out accuracy | held-out reward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in out:
-        print(f"| {'with tool' if r['tool'] else 'no tool'} | {r['seed']} | {r['train_reward']:.3f} | "
+        print(f"| {'with tool' if r['tool'] else 'no tool'} | {r['mode']} | {r['seed']} | {r['train_reward']:.3f} | "
               f"{r['train_accuracy']:.3f} | {r['turns']:.2f} | {r['tool_calls']:.2f} | {r['heldout_accuracy']:.3f} | "
               f"{r['heldout_reward']:.3f} |")
     if args.json:
