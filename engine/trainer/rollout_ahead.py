@@ -243,10 +243,11 @@ class RolloutAhead:
                                                 "the rollout worker's state")}
 
     def load_state_dict(self, state: dict) -> None:
+        from engine import json_safe
         from engine.batch import SequenceBatch
 
         self.queue = [Draw(r["indices"], r["samples_seen"], None,
-                           SequenceBatch(**r["batch"], extras={"agent": json.loads(r["agent"])} if "agent" in r else {}),
+                           SequenceBatch(**r["batch"], extras={"agent": json_safe.loads(r["agent"])} if "agent" in r else {}),
                            r["stats"])
                       for r in state["queue"]]
         get(self.actor.set_rng_state.remote(state["generator"]), self.timeout, "the rollout worker's state")
