@@ -439,6 +439,20 @@ def test_longest_sequence_that_cannot_fit_the_budget_is_refused():
     assert validate_run_padding(run, layout="packed") == []
 
 
+def test_a_multi_turn_row_too_long_for_the_budget_names_the_trajectory_budget():
+    """A multi-turn row is the prompt plus the whole trajectory (max_turns x max_new_tokens when
+    rollout.max_trajectory_tokens is 0): the refusal gives that length and the keys that set it."""
+    from engine.config.lengths import longest_sequence
+    from engine.config.load import load_run_config
+
+    keys = ["task=tool_add", "rollout.max_turns=4", "rollout.max_new_tokens=12", "data.max_prompt_length=64"]
+    assert longest_sequence(load_run_config(keys)) == 64 + 4 * 12
+    with pytest.raises(ConfigError) as e:  # the run's validation, as `rl train` runs it
+        load_run_config([*keys, "engine.max_tokens_per_micro_batch=100"])
+    assert "= 112 tokens" in str(e.value) and "rollout.max_trajectory_tokens" in str(e.value)
+    assert "rollout.max_new_tokens =" not in str(e.value)
+
+
 def test_bucket_not_a_multiple_of_the_parallel_alignment_is_rounded_not_refused():
     """bucket=10 with SP over tp=4 is fine: every boundary is a multiple of lcm = 20."""
     cfg = MegatronEngineConfig(pad_to_length=True, pad_to_length_bucket=10, tensor_model_parallel_size=4,

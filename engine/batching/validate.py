@@ -38,9 +38,16 @@ def _explain_alignment(engine_cfg) -> str:
     return f"{required_alignment(engine_cfg)} (lcm of {', '.join(parts)})" if parts else "1"
 
 
+SINGLE_TURN_LENGTH = ("data.max_prompt_length + rollout.max_new_tokens", "data.max_prompt_length / rollout.max_new_tokens")
+MULTI_TURN_LENGTH = ("data.max_prompt_length + the trajectory budget",
+                     "data.max_prompt_length or the trajectory budget (rollout.max_trajectory_tokens; when 0, "
+                     "rollout.max_turns x rollout.max_new_tokens)")
+
+
 def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
-                            layout: str = "padded") -> list[str]:
-    """Raise ConfigError for padding settings that cannot work; return warnings for poor ones."""
+                            layout: str = "padded", length_keys: tuple = SINGLE_TURN_LENGTH) -> list[str]:
+    """Raise ConfigError for padding settings that cannot work; return warnings for poor ones.
+    ``length_keys``: how ``max_seq_length`` is made, and what shortens it (for the message)."""
     warnings: list[str] = []
     policy_default = _default(engine_cfg, "pad_to_length_policy")
     if not engine_cfg.pad_to_length and engine_cfg.pad_to_length_policy != policy_default:
@@ -68,11 +75,11 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
                    else round_up(max_seq_length, align))
         if longest > budget:
             raise ConfigError(
-                f"the longest sequence (data.max_prompt_length + rollout.max_new_tokens = "
+                f"the longest sequence ({length_keys[0]} = "
                 f"{max_seq_length} tokens) pads to {longest}, more than "
                 f"engine.max_tokens_per_micro_batch={budget}; raise "
                 f"engine.max_tokens_per_micro_batch to at least {longest} or shorten "
-                f"data.max_prompt_length / rollout.max_new_tokens.")
+                f"{length_keys[1]}.")
     if getattr(engine_cfg, "compile", False) and not engine_cfg.pad_to_length:
         warnings.append("engine.compile=true without engine.pad_to_length: nearly every micro-batch "
                         "has a new shape and recompiles; set engine.pad_to_length=true.")
@@ -84,4 +91,7 @@ def validate_run_padding(run_cfg, layout: str = "padded", longest: int | None = 
     (engine/config/lengths.py, multi-turn trajectories included); default the single-turn one."""
     max_seq = longest if longest is not None else (int(run_cfg.data.max_prompt_length)
                                                    + int(run_cfg.rollout.max_new_tokens))
-    return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout)
+    from engine.config.lengths import is_multi_turn
+
+    keys = MULTI_TURN_LENGTH if is_multi_turn(run_cfg) else SINGLE_TURN_LENGTH
+    return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout, length_keys=keys)
