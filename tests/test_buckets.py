@@ -446,7 +446,7 @@ def test_a_multi_turn_row_too_long_for_the_budget_names_the_trajectory_budget():
     from engine.config.load import load_run_config
 
     keys = ["task=tool_add", "rollout.max_turns=4", "rollout.max_new_tokens=12", "data.max_prompt_length=64"]
-    assert longest_sequence(load_run_config(keys)) == 64 + 4 * 12
+    assert longest_sequence(load_run_config(keys).config) == 64 + 4 * 12
     with pytest.raises(ConfigError) as e:  # the run's validation, as `rl train` runs it
         load_run_config([*keys, "engine.max_tokens_per_micro_batch=100"])
     assert "= 112 tokens" in str(e.value) and "rollout.max_trajectory_tokens" in str(e.value)
