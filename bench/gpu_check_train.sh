@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the commands users run (issue 40): `rl train` on CUDA, `rl resume` exactness, PPO,
-# LoRA, `--engine megatron`, trainer.mode=one_step_off; one summary table. Called from
+# LoRA, `--engine megatron`, trainer.mode=one_step_off (single- and multi-turn); one summary table. Called from
 # bench/gpu_check.sh; runs alone too (CPU smoke: GPU_CHECK_DEVICE=cpu bash bench/gpu_check_train.sh).
 #
 # Resume exactness: two straight 6-step runs must be bit-identical (else the device is not
@@ -38,6 +38,8 @@ one lora 120 train "${BASE[@]}" model.lora.rank=8 model.lora.alpha=16 trainer.to
 one megatron 120 train --engine megatron "${BASE[@]}" trainer.total_steps=3 checkpoint.dir="$WORK/mg" &
 one megatron_bf16 120 train --engine megatron "${BASE[@]}" model.dtype=bfloat16 trainer.total_steps=3 checkpoint.dir="$WORK/mgbf" &
 one one_step_off 120 train "${BASE[@]}" trainer.mode=one_step_off trainer.total_steps=4 checkpoint.dir="$WORK/osp" &
+one one_step_off_tools 120 train "${BASE[@]}" task=tool_add rollout.max_turns=3 trainer.mode=one_step_off \
+    trainer.total_steps=4 checkpoint.dir="$WORK/ospt" &
 wait
 grep -qv $'\t0\t' "$SUMMARY" && status=1
 mkdir -p "$WORK/r" && cp -r "$WORK/a/." "$WORK/r/" && rm -rf "$WORK/r/step_6"
@@ -95,6 +97,12 @@ osp = rows("osp")
 if osp:
     st = [r.get("staleness", {}).get("max") for r in osp]
     print(f"one_step_off staleness per step: {st}; step-1 ratio max {osp[0]['algo'].get('rollout_ratio_max')}")
+    ok = ok and st == [0, 1, 1, 1]
+ospt = rows("ospt")  # multi-turn: every turn on the rollout worker, one version a batch
+if ospt:
+    st = [r.get("staleness", {}).get("max") for r in ospt]
+    print(f"one_step_off multi-turn staleness per step: {st}; turns {[r['algo'].get('agent_turns_mean') for r in ospt]}; "
+          f"step-1 ratio max {ospt[0]['algo'].get('rollout_ratio_max')}")
     ok = ok and st == [0, 1, 1, 1]
 for name in ("train", "ppo", "lora", "mg", "mgbf"):
     r = rows(name if name != "train" else "a")
