@@ -196,7 +196,8 @@ class VLLMSampler(Sampler):
         kw = dict(model=str(self.export.path), skip_tokenizer_init=True, dtype=self.cfg.model.dtype,
                   seed=self.cfg.trainer.seed, max_model_len=self.max_model_len,
                   logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
-                  enable_prefix_caching=True, disable_log_stats=True, trust_remote_code=False)
+                  enable_prefix_caching=True, disable_log_stats=True, trust_remote_code=False,
+                  use_tqdm_on_load=False)  # no progress bar per weight load (every step with one_step_off)
         if self.rcfg.micro_batch_size:
             kw["max_num_seqs"] = self.rcfg.micro_batch_size
         if self.on_cuda:
