@@ -155,3 +155,37 @@ def test_a_run_sends_its_tool_calls_to_the_reward_pool():
         assert [r.content for r in run(pending.calls)] == [calc("12+30")]
     finally:
         inputs.rewards.close()
+
+
+def test_an_environment_that_needs_the_main_thread_is_told_why_off_it():
+    """In the modes that sample ahead, episodes run on a driver thread, where signal.alarm-style
+    timeouts cannot be set: the error says so and names the fix; on the main thread it runs."""
+    import signal
+    import threading
+
+    from engine.agents.environment import Environment
+    from engine.agents.loop import _env_call
+    from engine.errors import EnvironmentFailed
+
+    class Alarmed(Environment):
+        def reset(self, row):
+            signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # as a timeout would
+            return None
+
+        def step(self, messages):
+            raise AssertionError("not reached")
+
+    assert _env_call(Alarmed(), "reset", None) is None  # main thread: fine
+    caught = []
+
+    def off_main():
+        try:
+            _env_call(Alarmed(), "reset", None)
+        except EnvironmentFailed as e:
+            caught.append(str(e))
+
+    t = threading.Thread(target=off_main, name="rl-episodes_0")
+    t.start()
+    t.join()
+    assert caught and "raised in reset(row): ValueError: signal only works in main thread" in caught[0]
+    assert "'rl-episodes_0'" in caught[0] and "trainer.mode=sync" in caught[0]

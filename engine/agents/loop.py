@@ -14,6 +14,7 @@ model generated carries loss, and everything stays in the context the trainer re
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -148,10 +149,14 @@ def _env_call(env, what: str, *args):
 
         name = f"{type(env).__module__}:{type(env).__qualname__}"
         doing = {"reset": "reset(row)", "begin": "step(messages)", "finish": "step(messages)"}[what]
+        fix = "fix it, or catch what the model can cause and return it as a message"
+        if "main thread" in str(e) and threading.current_thread() is not threading.main_thread():
+            fix = (f"it runs on the driver thread {threading.current_thread().name!r} here (trainer.mode="
+                   f"one_step_off|async samples episodes beside the update), where signals cannot be set: time "
+                   f"its calls out without signal.alarm, or use trainer.mode=sync")
         raise EnvironmentFailed(f"the environment {name} raised in {doing}: {type(e).__name__}: {e}. An "
                                 f"environment's own errors stop the run (a tool's errors go back to the model "
-                                f"instead); fix it, or catch what the model can cause and return it as a message."
-                                ) from e
+                                f"instead); {fix}.") from e
 
 
 def _cut(t: Trajectory, k: int) -> None:
