@@ -86,12 +86,11 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
     return warnings
 
 
-def validate_run_padding(run_cfg, layout: str = "padded", longest: int | None = None) -> list[str]:
+def validate_run_padding(run_cfg, layout: str = "padded", longest: int | None = None,
+                         length_keys: tuple = SINGLE_TURN_LENGTH) -> list[str]:
     """``validate_padding_config`` for a whole RunConfig. ``longest``: the longest row
-    (engine/config/lengths.py, multi-turn trajectories included); default the single-turn one."""
+    (engine/config/lengths.py, multi-turn trajectories included; ``length_keys`` then
+    MULTI_TURN_LENGTH); default the single-turn one."""
     max_seq = longest if longest is not None else (int(run_cfg.data.max_prompt_length)
                                                    + int(run_cfg.rollout.max_new_tokens))
-    from engine.config.lengths import is_multi_turn
-
-    keys = MULTI_TURN_LENGTH if is_multi_turn(run_cfg) else SINGLE_TURN_LENGTH
-    return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout, length_keys=keys)
+    return validate_padding_config(run_cfg.engine, max_seq_length=max_seq, layout=layout, length_keys=length_keys)

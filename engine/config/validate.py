@@ -378,9 +378,10 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
             f"other samples of its prompt, so a group of one has advantage 0 and nothing is learned. Sample "
             f"several responses per prompt (algorithm.rollout_n=8, the default), or use an estimator with another "
             f"baseline: algorithm=reinforce_pp (the batch) or algorithm=ppo (a critic).", title="invalid config")
-    from engine.batching.validate import validate_run_padding
+    from engine.batching.validate import MULTI_TURN_LENGTH, SINGLE_TURN_LENGTH, validate_run_padding
 
-    validate_run_padding(cfg, longest=longest_sequence(cfg))
+    validate_run_padding(cfg, longest=longest_sequence(cfg),
+                         length_keys=MULTI_TURN_LENGTH if is_multi_turn(cfg) else SINGLE_TURN_LENGTH)
     if e.name == "megatron":
         if e.pipeline_model_parallel_size > 1 or e.context_parallel_size > 1:
             raise ConfigError(
