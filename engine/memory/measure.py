@@ -203,12 +203,12 @@ def report_from_run(run_dir, device_memory: Union[None, int, str] = None) -> Mem
             seq_len, source, how = observed_seq_len(cfg, records, _metrics_rows(root), worst)
             est = _estimate(cfg, seq_len, dev) if seq_len is not None else worst
             if seq_len is not None:
+                from engine.batching.validate import MULTI_TURN_LENGTH, SINGLE_TURN_LENGTH
                 from engine.config.lengths import is_multi_turn, longest_sequence
 
-                after = ("the trajectory budget, rollout.max_trajectory_tokens or max_turns x max_new_tokens"
-                         if is_multi_turn(cfg) else "rollout.max_new_tokens")
+                made_of = (MULTI_TURN_LENGTH if is_multi_turn(cfg) else SINGLE_TURN_LENGTH)[0]
                 notes.append(f"estimate built at sequence length {seq_len}, from {how}; the config allows up to "
-                             f"{longest_sequence(cfg)} (data.max_prompt_length + {after})")
+                             f"{longest_sequence(cfg)} ({made_of})")
                 if worst.peak_bytes > est.peak_bytes:
                     notes.append(f"at that longest length the per-rank peak would be {_gib(worst.peak_bytes)} "
                                  f"({worst.peak_phase}) instead of {_gib(est.peak_bytes)}")
