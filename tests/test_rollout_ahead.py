@@ -308,10 +308,11 @@ def slow_first_char(prompts, completions, answer, trainer_state, **kw):
 def test_one_step_off_scores_the_next_batch_while_the_ranks_update(tmp_path):
     """A queued batch is scored on the driver's scoring thread as soon as the rollout worker returns
     it, not at the start of the step that trains on it: each batch's reward function runs on that
-    thread (steps 2..), sees the trainer state of the step that trains on it (global_step = step - 1,
-    in order), and the step's logged reward is what the function returned for that batch; the
-    step's `reward` timing is what it still waited (from the batch's arrival), `reward_ahead` the
-    0.4 s of scoring."""
+    thread (step 1's too, which the step samples itself, and before step 2's: CI once saw step 2's
+    batch scored first when step 1's was scored on the main thread), sees the trainer state of the
+    step that trains on it (global_step = step - 1, in order), and the step's logged reward is what
+    the function returned for that batch; the step's `reward` timing is what it still waited (from
+    the batch's arrival), `reward_ahead` the 0.4 s of scoring."""
     rows_in = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 4]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_in))
     (tmp_path / "scorelog.py").write_text(SCORE_LOG_REWARDS)
@@ -324,12 +325,12 @@ def test_one_step_off_scores_the_next_batch_while_the_ranks_update(tmp_path):
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     train = [c for c in calls if c["rows"] == 16]
     assert [c["global_step"] for c in train][:4] == [0, 1, 2, 3], calls
-    assert train[0]["thread"] == "MainThread" and all(c["thread"].startswith("rl-score-ahead") for c in train[1:4]), calls
+    assert all(c["thread"].startswith("rl-score-ahead") for c in train[:4]), calls
     steps = rows(tmp_path / "run")
     for s in steps:
         scored = [c for c in train if c["global_step"] == s["step"] - 1][-1]
         assert s["reward_mean"] == pytest.approx(scored["mean"], abs=1e-6), (s["step"], scored)
-    for s in steps[1:]:
+    for s in steps:
         # the wait counts from the batch's arrival: never more than the scoring (how much it overlaps
         # the update depends on the machine's load; docs/async.md has the figures)
         assert s["timing"]["reward_ahead"] >= 0.4 and s["timing"]["reward"] <= s["timing"]["reward_ahead"] + 0.05, \

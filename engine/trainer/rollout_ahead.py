@@ -17,8 +17,9 @@ is at most j - k <= ahead; every batch records the version it was actually sampl
 
 Rewards as batches arrive: a queued batch is scored on a driver thread as soon as the worker returns
 it (``score_with``), while the ranks still update, with the trainer state of the step expected to
-train on it; the step then only waits for what is left. A batch taken by another step than
-expected (dynamic sampling's extra rounds) is scored again, at the step that takes it.
+train on it; the step then only waits for what is left. A batch sampled at the step that trains on
+it (step 1, dynamic sampling's extra rounds), or taken by another step than expected, is scored on
+that thread too, ahead of the next batches: reward functions see the steps in order.
 
 Multi-turn rollouts (task.tools, task.environment): the agent loop runs on the driver, on one
 thread (``rl-episodes``), each model turn a ``generate`` call on the worker, the tools and the
@@ -129,8 +130,8 @@ class RolloutAhead:
             "the rollout worker to start")
 
     def score_with(self, score: Callable) -> None:
-        """Score each queued batch with ``score(draw, step)`` on a driver thread as soon as the
-        worker returns it (one thread: batches are scored in the order they were asked for, and
+        """Score each batch with ``score(draw, step)`` on a driver thread as soon as the worker
+        returns it (one thread: batches are scored in the order they were asked for, and
         reward functions are never called by two threads at once)."""
         self._score = score
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-score-ahead")
@@ -165,6 +166,10 @@ class RolloutAhead:
             d = self.queue.pop(0)
         else:
             d = self._ask(k)
+        if self._score is not None and step and not (d.scoring is not None and d.for_step == step):
+            # not scored for this step: on the scoring thread too, before the next batches are asked
+            # (and their scoring queued), so reward functions see the steps in order
+            d.for_step, d.scoring = step, self._scoring.submit(self._score_when_sampled, d, step)
         if queue_next:
             self.queue_ahead(step)
         self.score_wait_s = 0.0  # what this take waited for the batch's scoring to finish
@@ -185,12 +190,12 @@ class RolloutAhead:
             self.queue.append(d)
             if self._score is not None and step and step + len(self.queue) <= self.cfg.trainer.total_steps:
                 d.for_step = step + len(self.queue)  # (a batch past the last step is kept for a resume, not scored)
-                d.scoring = self._scoring.submit(self._score_when_sampled, d)
+                d.scoring = self._scoring.submit(self._score_when_sampled, d, d.for_step)
 
-    def _score_when_sampled(self, d: Draw):
+    def _score_when_sampled(self, d: Draw, step: int):
         d.wait(self.timeout)
         d.arrived = time.perf_counter()
-        return self._score(d, d.for_step)
+        return self._score(d, step)
 
     def _ask(self, k: int) -> Draw:
         idx = self.stream.next_indices(k)
