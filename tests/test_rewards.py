@@ -49,6 +49,17 @@ def hangs(prompt, response, answer, **row):
         time.sleep(600)
     return 1.0
 
+def alarmed(prompt, response, answer):
+    # a signal.alarm timeout, as some graders use: Python allows it only on a process's main thread
+    import signal
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.alarm(5)
+    try:
+        return 1.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
 def not_a_number(prompt, response, answer):
     return "high"
 
@@ -142,6 +153,34 @@ def test_raising_reward_names_function_row_and_exception(mod, workers):
     msg = e.value.message
     assert f"`{mod}:raises` failed on t.jsonl row 1" in msg and "ZeroDivisionError: division by zero" in msg
     assert "user_rewards.py:" in msg and "in raises" in msg and "task.reward_on_error=zero" in msg
+
+
+def test_a_signal_timeout_off_the_main_thread_gets_the_fix_not_call_it_on_that_row(mod):
+    """A function that sets a signal handler works on the main thread and in the process pool, but
+    fails on the threads rl scores from (one_step_off's scoring thread; task.reward_timeout_s's
+    watched thread), where calling it on the row in a script would not reproduce the failure: the
+    error names the thread and why rl uses it, and the fix (the pool, or no signals)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fn = [spec(f"{mod}:alarmed")]
+    assert runner(fn).score(SAMPLES).total == [1.0] * 4  # main thread
+    pool = runner(fn, workers=1, timeout_s=30)
+    try:
+        assert pool.score(SAMPLES).total == [1.0] * 4  # a worker process's main thread, timed out by the pool
+    finally:
+        pool.close()
+    with ThreadPoolExecutor(1, thread_name_prefix="rl-score-ahead") as t:
+        with pytest.raises(RewardError) as e:
+            t.submit(runner(fn).score, SAMPLES).result()
+    msg = e.value.message
+    assert "signal only works in main thread" in msg and "driver thread `rl-score-ahead_0`" in msg, msg
+    assert "trainer.mode=one_step_off|async" in msg and "task.reward_workers=N" in msg, msg
+    assert "call it on that row to reproduce" not in msg, msg
+    with pytest.raises(RewardError, match=r"on a thread that times it out \(task.reward_timeout_s\)\. Set "
+                                          r"task.reward_workers=N"):
+        runner(fn, timeout_s=30).score(SAMPLES)
+    with pytest.raises(RewardError, match="call it on that row to reproduce"):  # any other failure: as before
+        runner([spec(f"{mod}:raises")], timeout_s=30).score(SAMPLES)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

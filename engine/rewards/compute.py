@@ -42,6 +42,7 @@ class RewardFailure:
     error: str           # "ExcType: message", "bad return value: ...", or "timed out after N s"
     where: str = ""      # file:line in function, when known
     scorer: bool = False  # a batch scorer (reward model, remote scorer), not a function
+    fix: str = ""         # what to do, when rl knows better than "fix the function"
 
 
 class RewardError(UserError):
@@ -58,9 +59,10 @@ class RewardError(UserError):
                 f"{' ' + resume_hint if resume_hint else ''}", title="reward scorer failed")
             return
         super().__init__(
-            f"reward function `{failure.fn}` failed on {failure.origin}{shown}: {failure.error}{where}. Fix the "
-            f"function (call it on that row to reproduce), or set task.reward_on_error=zero to score failing calls "
-            f"0 and count them.{' ' + resume_hint if resume_hint else ''}", title="reward function failed")
+            f"reward function `{failure.fn}` failed on {failure.origin}{shown}: {failure.error}{where}. "
+            f"{failure.fix or 'Fix the function (call it on that row to reproduce)'}, or set task.reward_on_error=zero "
+            f"to score failing calls 0 and count them.{' ' + resume_hint if resume_hint else ''}",
+            title="reward function failed")
 
 
 @dataclass
@@ -197,7 +199,8 @@ class RewardRunner:
                 failure = RewardFailure(spec.name, origin, f"no result within task.reward_timeout_s="
                                                             f"{self.timeout_s:g} s (hung, or too slow)")
             else:
-                failure = RewardFailure(spec.name, origin, outcome[1], outcome[2])
+                fix = "" if self._pool is not None else off_main_thread_fix(outcome[1], bool(self.timeout_s))
+                failure = RewardFailure(spec.name, origin, outcome[1], outcome[2], fix=fix)
             if stop:
                 raise RewardError(failure, samples[group[0]].prompt if len(group) == 1 else None)
             failures.append(failure)  # scored 0, counted
@@ -224,6 +227,30 @@ class RewardRunner:
         names = [s.name for s in self.specs] + [sc.name for sc in self.scorers]
         per_fn = {name: _mean(raw[name]) for name in names}
         return RewardScores(total, per_fn, correct, failures, {name: raw[name] for name in names}, unscored)
+
+
+# why rl calls reward functions on a thread of this name (the threads that score on the driver)
+SCORING_THREADS = {"rl-score-ahead": "trainer.mode=one_step_off|async scores each batch as it arrives",
+                   "rl-score-stream": "trainer.stream_groups scores each prompt group as it ends"}
+
+
+def off_main_thread_fix(error: str, watched: bool) -> str:
+    """The fix for a function that failed because it set a signal handler (a ``signal.alarm``
+    timeout, as some graders use) off the main thread, where Python refuses it: the same call on
+    that row in a script, on its main thread, would not fail. "" for any other failure."""
+    if "main thread" not in error:
+        return ""
+    thread = threading.current_thread()
+    if watched:
+        where = "on a thread that times it out (task.reward_timeout_s)"
+    elif thread is threading.main_thread():
+        return ""
+    else:
+        why = next((w for prefix, w in SCORING_THREADS.items() if thread.name.startswith(prefix)), "")
+        where = f"on the driver thread `{thread.name}`" + (f" ({why})" if why else "")
+    return (f"It sets a signal handler, which Python allows only on a process's main thread, and rl called it {where}. "
+            f"Set task.reward_workers=N to run it on worker processes' main threads (task.reward_timeout_s still "
+            f"bounds each call), or time it out without signals")
 
 
 def _mean(values: list) -> Optional[float]:
