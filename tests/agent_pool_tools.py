@@ -50,3 +50,21 @@ def add(expr: str) -> str:
     """
     a, b = expr.split("+")
     return str(int(a) + int(b))
+
+
+def alarmed(expr: str) -> str:
+    """Adds two numbers under a signal.alarm timeout, as code sandboxes often time calls out.
+
+    Args:
+        expr: "a+b"
+    """
+    import signal
+
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.alarm(5)
+    try:
+        a, b = expr.split("+")
+        return str(int(a) + int(b))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

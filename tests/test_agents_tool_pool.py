@@ -188,4 +188,31 @@ def test_an_environment_that_needs_the_main_thread_is_told_why_off_it():
     t.start()
     t.join()
     assert caught and "raised in reset(row): ValueError: signal only works in main thread" in caught[0]
-    assert "'rl-episodes_0'" in caught[0] and "trainer.mode=sync" in caught[0]
+    assert "driver thread `rl-episodes_0` (trainer.mode=one_step_off|async runs the agent loop" in caught[0], caught
+    assert "trainer.mode=sync" in caught[0]
+
+
+def test_a_tool_that_needs_the_main_thread_stops_the_run_off_it_with_the_fix(pool):
+    """A tool with a signal.alarm timeout answers on the main thread and in the pool, but off the
+    main thread (one_step_off's agent loop on `rl-episodes`, or reward_timeout_s's watched thread)
+    every call fails whatever the model wrote: the run stops with the tool, the thread and the fix
+    (reward_workers>=1) instead of handing the model the error as the tool's answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tools = {"alarmed": T.alarmed}
+    env = ToolEnvironment(tools, HermesParser())
+    turn = _turn(("alarmed", {"expr": "2+3"}))
+    inline = RewardRunner([], workers=0)
+    assert [m["content"] for m in _step(env, ToolRunner(inline, tools), turn).messages] == ["5"]  # main thread
+    assert [m["content"] for m in _step(env, ToolRunner(pool, tools), turn).messages] == ["5"]   # the pool
+    with ThreadPoolExecutor(1, thread_name_prefix="rl-episodes") as t:
+        with pytest.raises(ConfigError) as e:
+            t.submit(_step, env, ToolRunner(inline, tools), turn).result()
+    msg = e.value.message
+    assert "tool 'alarmed' (tests.agent_pool_tools:alarmed) raised ValueError: signal only works in main thread" in msg
+    assert "driver thread `rl-episodes_0`" in msg and "task.reward_workers=N" in msg, msg
+    with pytest.raises(ConfigError, match=r"on a thread that times it out \(task.reward_timeout_s\)"):
+        _step(env, ToolRunner(RewardRunner([], workers=0, timeout_s=5.0), tools), turn)
+    # any other error is still the model's: it goes back as the tool's answer
+    bad = _step(env, ToolRunner(inline, tools), _turn(("alarmed", {"expr": "2*3"})))
+    assert bad.messages[0]["content"].startswith("error: ValueError") and bad.tool_errors == 1

@@ -14,12 +14,12 @@ model generated carries loss, and everything stays in the context the trainer re
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.batch import SequenceBatch
+from engine.rewards.main_thread import needs_main_thread, where_called
 
 STOP_REASONS = ("done", "turn_limit", "token_limit")
 
@@ -150,10 +150,10 @@ def _env_call(env, what: str, *args):
         name = f"{type(env).__module__}:{type(env).__qualname__}"
         doing = {"reset": "reset(row)", "begin": "step(messages)", "finish": "step(messages)"}[what]
         fix = "fix it, or catch what the model can cause and return it as a message"
-        if "main thread" in str(e) and threading.current_thread() is not threading.main_thread():
-            fix = (f"it runs on the driver thread {threading.current_thread().name!r} here (trainer.mode="
-                   f"one_step_off|async samples episodes beside the update), where signals cannot be set: time "
-                   f"its calls out without signal.alarm, or use trainer.mode=sync")
+        where = where_called(watched=False) if needs_main_thread(str(e)) else ""
+        if where:  # (an environment always runs on the driver: no pool to send it to)
+            fix = (f"it sets a signal handler, which Python allows only on a process's main thread, and rl called "
+                   f"it {where}: time its calls out without signal.alarm, or use trainer.mode=sync")
         raise EnvironmentFailed(f"the environment {name} raised in {doing}: {type(e).__name__}: {e}. An "
                                 f"environment's own errors stop the run (a tool's errors go back to the model "
                                 f"instead); {fix}.") from e

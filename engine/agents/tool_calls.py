@@ -10,7 +10,9 @@ A call that raises, times out or whose worker dies is the model's problem, never
 error goes back to the model as the tool's message and is counted (``agent_tool_errors``; timeouts
 also as ``agent_tool_timeouts``), whatever ``task.reward_on_error`` says -- as verl's tool agent
 loop and TRL's tool calling do. ``reward_on_error`` is about scoring; a tool's failure is
-something the policy can learn to avoid.
+something the policy can learn to avoid. One exception: a tool that sets a signal handler (a
+``signal.alarm`` timeout) called off the main thread (engine/rewards/main_thread.py) fails on
+every call whatever the model wrote, so the run stops with the fix instead of training on it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pickle
 
 from engine.agents.tools import ToolResult
 from engine.errors import ConfigError
+from engine.rewards.main_thread import off_main_thread_fix
 
 
 def call_tool(fn, arguments: dict) -> tuple:
@@ -53,7 +56,19 @@ class ToolRunner:
         if not jobs:
             return []
         outcomes = self.rewards.execute(call_tool, jobs) if self.rewards is not None else [call_tool(*j) for j in jobs]
+        for (fn, c), o in zip(calls, outcomes):
+            self._refuse_main_thread_only(fn, c, o)
         return [self._result(o) for o in outcomes]
+
+    def _refuse_main_thread_only(self, fn, call, outcome) -> None:
+        if outcome is None or outcome[0] != "err" or getattr(self.rewards, "workers", 0) > 0:
+            return
+        fix = off_main_thread_fix(outcome[1], watched=bool(self.timeout_s))
+        if fix:
+            raise ConfigError(
+                f"tool {call.name!r} ({fn.__module__}:{fn.__qualname__}) raised {outcome[1]}. {fix}. Every call "
+                f"would fail the same way whatever the model wrote, so the run stops rather than hand the model "
+                f"this error as the tool's answer.", title="tool needs the main thread")
 
     def _result(self, outcome) -> ToolResult:
         if outcome is not None and outcome[0] == "ok":

@@ -30,6 +30,7 @@ from typing import Optional
 from engine.errors import UserError
 from engine.rewards.call import Sample
 from engine.rewards.executors import ProcessPool, run_inline, run_watched
+from engine.rewards.main_thread import off_main_thread_fix
 from engine.rewards.scorers import BatchScorer, ScorerFailed
 from engine.rewards.spec import RewardFnSpec
 from engine.rewards.trainer_state import TrainerState
@@ -227,30 +228,6 @@ class RewardRunner:
         names = [s.name for s in self.specs] + [sc.name for sc in self.scorers]
         per_fn = {name: _mean(raw[name]) for name in names}
         return RewardScores(total, per_fn, correct, failures, {name: raw[name] for name in names}, unscored)
-
-
-# why rl calls reward functions on a thread of this name (the threads that score on the driver)
-SCORING_THREADS = {"rl-score-ahead": "trainer.mode=one_step_off|async scores each batch as it arrives",
-                   "rl-score-stream": "trainer.stream_groups scores each prompt group as it ends"}
-
-
-def off_main_thread_fix(error: str, watched: bool) -> str:
-    """The fix for a function that failed because it set a signal handler (a ``signal.alarm``
-    timeout, as some graders use) off the main thread, where Python refuses it: the same call on
-    that row in a script, on its main thread, would not fail. "" for any other failure."""
-    if "main thread" not in error:
-        return ""
-    thread = threading.current_thread()
-    if watched:
-        where = "on a thread that times it out (task.reward_timeout_s)"
-    elif thread is threading.main_thread():
-        return ""
-    else:
-        why = next((w for prefix, w in SCORING_THREADS.items() if thread.name.startswith(prefix)), "")
-        where = f"on the driver thread `{thread.name}`" + (f" ({why})" if why else "")
-    return (f"It sets a signal handler, which Python allows only on a process's main thread, and rl called it {where}. "
-            f"Set task.reward_workers=N to run it on worker processes' main threads (task.reward_timeout_s still "
-            f"bounds each call), or time it out without signals")
 
 
 def _mean(values: list) -> Optional[float]:
