@@ -17,6 +17,7 @@ from engine.config.schema import ModelConfig
 from engine.errors import ConfigError
 from engine.memory.activation_offload import (ActivationOffloader, make_activation_offloader, matching_modules,
                                               use_reentrant_checkpointing)
+from engine.model.grad_checkpointing import enable_checkpointing
 from tests.dist_utils import run_ranks
 
 VOCAB, PAD, EOS = 16, 0, 1
@@ -44,7 +45,7 @@ def test_gradients_are_bit_identical_with_offload(checkpointing):
     base = _tiny_hf()
     off_model = copy.deepcopy(base)
     if checkpointing:
-        base.gradient_checkpointing_enable()        # transformers' default (non-reentrant)
+        enable_checkpointing(base)                  # transformers' default (non-reentrant)
         use_reentrant_checkpointing(off_model)      # what the engines use with offload
     ids = _ids()
     want = _grads(base, ids)

@@ -8,13 +8,7 @@ import torch
 
 from engine.algorithms.logprobs import entropy_from_log_probs
 from engine.batching.prompt_groups import PromptGroups
-
-
-def _cache_kwarg(model) -> str:
-    import inspect
-
-    fwd = getattr(model, "forward", model)
-    return "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+from engine.model.hf_cache import cache_kwarg, returned_cache
 
 
 def _expand_cache(cache, owner: torch.Tensor) -> None:
@@ -43,13 +37,12 @@ def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
     fed = groups.fed
     if fed == 0:  # one-token responses: the prompt's last position predicts all there is
         return first
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else out.past_key_values
+    cache = returned_cache(out)
     _expand_cache(cache, owner)
     attn = torch.cat([pmask.index_select(0, owner), groups.response_mask[:, :fed].to(dev)], dim=1)
     out2 = model(input_ids=groups.response_ids[:, :fed].to(dev), attention_mask=attn,
                  position_ids=groups.response_positions[:, :fed].to(dev), use_cache=True,
-                 **{_cache_kwarg(model): cache})
+                 **{cache_kwarg(model): cache})
     return torch.cat([first, out2.logits], dim=1)
 
 

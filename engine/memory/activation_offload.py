@@ -261,11 +261,9 @@ def use_reentrant_checkpointing(model: torch.nn.Module) -> None:
     """Re-enable a transformers model's gradient checkpointing in reentrant mode, so that the
     inputs a checkpointed layer keeps pass through autograd's saved-tensor hooks (and so can be
     offloaded). Gradients are the same in both modes."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:  # transformers >= 5 (gradient_checkpointing_enable is its deprecated alias)
-        enable(activation_checkpointing_kwargs={"use_reentrant": True})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    from engine.model.grad_checkpointing import enable_checkpointing
+
+    enable_checkpointing(model, reentrant=True)
 
 
 def make_activation_offloader(model: torch.nn.Module, engine_cfg, default_patterns: list[str],

@@ -45,6 +45,7 @@ import torch
 
 from engine.batch import SequenceBatch
 from engine.config.schema import RolloutConfig
+from engine.model.hf_cache import accepts, cache_kwarg, returned_cache
 from engine.moe.routing_records import NO_RECORD, ROUTING_DTYPE, empty_records
 from engine.rollout.base import Sampler
 from engine.rollout.static_decode import StaticDecode
@@ -82,7 +83,7 @@ class _ModelSteps:
     def __init__(self, model, cache, attn: torch.Tensor, positions: torch.Tensor,
                  recorder=None, resp_rec: torch.Tensor | None = None):
         self.model, self.cache, self.attn, self.positions = model, cache, attn, positions
-        self.kwarg = _cache_kwarg(model)
+        self.kwarg = cache_kwarg(model)
         self.recorder, self.resp_rec = recorder, resp_rec
         self.live = torch.arange(attn.shape[0], device=attn.device)
         self.t = 0
@@ -91,7 +92,7 @@ class _ModelSteps:
         self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=1)
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.positions,
                          use_cache=True, **{self.kwarg: self.cache})
-        self.cache = _returned_cache(out)
+        self.cache = returned_cache(out)
         if self.recorder is not None:  # the routing of response token t, fed in this forward
             self.resp_rec[self.live, self.t] = self.recorder.take(as_records=False).to(ROUTING_DTYPE)
         self.positions = self.positions + 1
@@ -180,9 +181,9 @@ class TorchSampler(Sampler):
             owner.append(len(uniq) - 1)
         ids, attn, pos = self._left_padded(uniq)
         P = ids.shape[1]
-        keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+        keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep)
-        cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+        cache, logits = returned_cache(out), out.logits[:, -1, :].float()
         expand = torch.tensor(owner, device=dev)
         logits, attn, next_pos = logits[expand], attn[expand], pos[expand][:, -1:] + 1
         N = self.cfg.max_new_tokens
@@ -408,7 +409,7 @@ class TorchSampler(Sampler):
         P = ids.shape[1]
         temp = max(self.cfg.temperature, 1e-6)
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+        cache, logits = returned_cache(out), out.logits[:, -1, :].float()
         prompt_rec = resp_rec = None
         if recorder is not None:
             prompt_rec = recorder.take(as_records=False).to(ROUTING_DTYPE).reshape(B, P, recorder.layout.layers, -1)
@@ -419,7 +420,7 @@ class TorchSampler(Sampler):
         logps = torch.zeros((B, self.cfg.max_new_tokens), device=dev)
         lengths = torch.full((B,), self.cfg.max_new_tokens, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)     # rows that already ended
-        kwarg = _cache_kwarg(model)
+        kwarg = cache_kwarg(model)
         steps = 0
         for t in range(self.cfg.max_new_tokens):
             steps = t + 1
@@ -448,7 +449,7 @@ class TorchSampler(Sampler):
             attn[:, -1] = 1  # the token just sampled is visible to the next step
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kwarg: cache})
-            cache, logits = _returned_cache(out), out.logits[:, -1, :].float()
+            cache, logits = returned_cache(out), out.logits[:, -1, :].float()
             if recorder is not None:
                 resp_rec[:, t] = recorder.take(as_records=False).to(ROUTING_DTYPE)
             next_pos = next_pos + 1
@@ -536,26 +537,6 @@ def _device_generator(generator: torch.Generator, device: torch.device) -> torch
         return generator
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
     return torch.Generator(device=device).manual_seed(seed)
-
-
-def _accepts(model, name: str) -> bool:
-    import inspect
-
-    fwd = getattr(model, "forward", model)
-    try:
-        return name in inspect.signature(fwd).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x renamed past_key_values to cache; accept both."""
-    return "cache" if _accepts(model, "cache") else "past_key_values"
-
-
-def _returned_cache(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _cache_bytes(cache) -> int:

@@ -59,7 +59,9 @@ class FSDPEngine(TrainEngine):
 
                 use_reentrant_checkpointing(model)
             else:
-                model.gradient_checkpointing_enable()
+                from engine.model.grad_checkpointing import enable_checkpointing
+
+                enable_checkpointing(model)
         ref = copy.deepcopy(model).eval().requires_grad_(False) if c.algorithm.kl_coef > 0 else None
         self.lora_reference = None
         if c.model.lora.rank:  # the reference stays the base model; the policy gets adapters
