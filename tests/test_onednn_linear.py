@@ -289,15 +289,16 @@ def test_decode_weights_are_packed_once_per_rollout():
     shared by its decode lanes."""
     from transformers import DynamicCache
 
+    from engine.model.hf_cache import cache_kwarg, returned_cache
     from engine.rollout.static_decode import StaticDecode
 
     model = _tiny_llama()
     use_onednn_linears(model)
     ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
-    first = StaticDecode.start(model, out.past_key_values, torch.ones_like(ids), 4)
-    second = StaticDecode.start(model, out.past_key_values, torch.ones_like(ids), 4, like=first)
+        cache = returned_cache(model(input_ids=ids, use_cache=True, **{cache_kwarg(model): DynamicCache()}))
+    first = StaticDecode.start(model, cache, torch.ones_like(ids), 4)
+    second = StaticDecode.start(model, cache, torch.ones_like(ids), 4, like=first)
     assert first is not None and all(q[0].is_mkldnn and q[2] for q in first.qkv)
     assert all(gu[0].is_mkldnn for gu in first.gate_up)
     assert second.qkv is first.qkv and second.lm_head is first.lm_head
