@@ -63,6 +63,22 @@ def test_logprob_mismatch_fires_above_the_threshold():
     assert [(a.kind, a.step) for a in fired] == [("logprob_mismatch", 2), ("logprob_mismatch", 5)]
 
 
+def test_no_signal_fires_after_n_steps_of_all_zero_advantages():
+    def adv(step, lo, hi, zero_std=1.0):
+        return {**row(step, reward=0.0), "adv_min": lo, "adv_max": hi, "algo": {"frac_reward_zero_std": zero_std}}
+
+    rows = [adv(1, 0.0, 0.0), adv(2, -0.7, 1.2, 0.5), adv(3, 0.0, 0.0), adv(4, -0.0, 0.0), adv(5, 0.0, 0.0),
+            adv(6, 0.0, 0.0), adv(7, -1.0, 1.0, 0.9), adv(8, 0.0, 0.0), adv(9, 0.0, 0.0), adv(10, 0.0, 0.0)]
+    fired = run(rows, no_signal_steps=3)
+    # three in a row (3, 4, 5), not again while it holds (6), again after it cleared (8, 9, 10)
+    assert [(a.kind, a.step) for a in fired] == [("no_signal", 5), ("no_signal", 10)]
+    assert "every prompt group's samples scored the same (mean reward 0.000)" in fired[0].message
+    assert "algorithm.dynamic_sampling=true" in fired[0].message
+    # rows without advantages (older metrics.jsonl files) and tiny non-zero advantages are not judged
+    assert run([row(s) for s in range(1, 8)], no_signal_steps=1) == []
+    assert run([adv(s, -1e-9, 1e-9, 0.0) for s in range(1, 8)], no_signal_steps=1) == []
+
+
 def test_val_drop_fires_when_validation_falls_while_reward_rises():
     rows = [row(1, reward=0.3, val=0.6), row(2, reward=0.5), row(3, reward=0.7, val=0.5)]
     fired = run(rows, window=1, val_drop=0.05)
@@ -89,3 +105,41 @@ def test_stop_on_alarm_stops_cleanly_with_a_checkpoint(tmp_path):
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2] and rows[1]["alarms"][0]["kind"] == "entropy_collapse"
     assert "ALARM" in r.stderr and "entropy_collapse" in r.stderr
+
+
+CONSTANT_REWARD = """
+def always_zero(prompt, response, answer):
+    # the classic silent failure: an answer key that never matches, so every sample scores 0
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_scores_everything_the_same_raises_no_signal_and_stops(tmp_path):
+    """A real run whose reward function returns 0 for everything: every group's samples score the
+    same (frac_reward_zero_std 1, TRL's name), every advantage is 0, and after
+    alarms.no_signal_steps steps the alarm fires and stop_on_alarm ends the run with a checkpoint.
+    The default job's first steps, learning, raise nothing."""
+    from tests.cli_utils import rl_concurrently
+
+    rows_in = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 4]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_in))
+    (tmp_path / "zero.py").write_text(CONSTANT_REWARD)
+    common = ["trainer.total_steps=8", "data.train_batch_size=4", "algorithm.rollout_n=4", "checkpoint.save_freq=0",
+              "trainer.stop_on_alarm=true", "alarms.no_signal_steps=3", "trainer.threads_per_rank=1", "--json"]
+    stuck, learning = rl_concurrently(
+        ["train", "task=dataset", "task.path=train.jsonl", "task.reward_fn=zero:always_zero", "task.num_val=0",
+         f"checkpoint.dir={tmp_path / 'stuck'}", *common],
+        ["train", f"checkpoint.dir={tmp_path / 'learning'}", *common], cwd=tmp_path, timeout=600)
+    assert stuck.returncode == 0, stuck.stderr[-3000:]
+    s = json.loads(stuck.stdout)
+    assert s["stopped_by_alarm"] == "no_signal" and s["last_step"] == 3, s
+    assert (tmp_path / "stuck" / "step_3" / "manifest.json").exists()
+    rows = [json.loads(x) for x in (tmp_path / "stuck" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["algo"]["frac_reward_zero_std"] == 1.0 and r["adv_min"] == r["adv_max"] == 0.0 for r in rows), rows
+    assert "ALARM" in stuck.stderr and "no_signal" in stuck.stderr and "samples.jsonl" in stuck.stderr
+    assert learning.returncode == 0, learning.stderr[-3000:]
+    ok = json.loads(learning.stdout)
+    assert ok["last_step"] == 8 and ok["stopped_by_alarm"] is None and ok["alarms"] == [], ok
+    lrows = [json.loads(x) for x in (tmp_path / "learning" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["algo"]["frac_reward_zero_std"] < 1.0 for r in lrows), [r["algo"] for r in lrows]

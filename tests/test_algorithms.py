@@ -149,6 +149,20 @@ def test_compute_advantages_dispatches_each_preset():
     assert torch.equal(as_loss.advantages, rloo.advantages)
 
 
+def test_every_estimator_reports_the_share_of_groups_whose_samples_scored_the_same():
+    """TRL's frac_reward_zero_std: groups of 2 with rewards (1, 1), (0, 1), (.5, .5) -> 2 of 3; the
+    groups that give a group-relative estimator no signal, and the all-zero advantages behind the
+    no_signal alarm when every group is one of them."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    mask = torch.ones(6, 3)
+    for name in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "ppo"):
+        est = compute_advantages(AlgorithmConfig(name=name), rewards, mask, 2, values=torch.zeros(6, 3))
+        assert est.metrics["frac_reward_zero_std"] == pytest.approx(2 / 3), name
+    flat = compute_advantages(AlgorithmConfig(name="grpo"), torch.full((6,), 0.25), mask, 2)
+    assert flat.metrics["frac_reward_zero_std"] == 1.0 and torch.count_nonzero(flat.advantages) == 0
+    assert "frac_reward_zero_std" not in compute_advantages(AlgorithmConfig(name="reinforce_pp"), rewards, mask, 1).metrics
+
+
 # ---- DAPO dynamic sampling --------------------------------------------------------------
 
 def _fake_rollout(rewards: list[float], n: int) -> Rollout:

@@ -2,7 +2,7 @@
 
 ``AlarmMonitor.observe(row)`` takes one step's metrics (a StepRecord's ``to_json()`` dict,
 or a metrics.jsonl row) and returns the alarms that *start* at that step; an alarm that
-stays true is not repeated until its condition has cleared once. Four kinds:
+stays true is not repeated until its condition has cleared once. The kinds:
 
 - ``entropy_collapse``: policy entropy below ``entropy_min`` for ``entropy_steps`` steps in a
   row while the reward is still below ``entropy_reward_max`` (a policy that solved the task
@@ -16,6 +16,10 @@ stays true is not repeated until its condition has cleared once. Four kinds:
   only on steps whose samples came from the weights being trained (not stale ones).
 - ``val_drop``: held-out score at least ``val_drop`` below its best while the mean training
   reward of the last ``window`` steps is above what it was when that best was measured.
+- ``no_signal``: every token's advantage exactly 0 for ``no_signal_steps`` steps in a row: each
+  prompt group's samples scored the same, so the reward moves nothing (a reward function that
+  returns one value for everything, a task too hard or already learnt). Not judged where the
+  advantages are not group-relative and never exactly 0 (PPO's GAE, a KL penalty in the reward).
 - ``nonfinite_grad``: an optimizer step (policy or critic) had a nan/inf gradient norm and was
   skipped (the engines never apply one); ``nonfinite_steps`` such steps in a row with every
   policy update skipped stop the run (engine/trainer/trainer.py), whatever stop_on_alarm says.
@@ -40,6 +44,7 @@ class Alarm:
 class AlarmMonitor:
     cfg: object                      # engine.config.schema.AlarmsConfig
     low_entropy_run: int = 0
+    no_signal_run: int = 0
     truncated_min: float | None = None
     best_val: float | None = None
     reward_at_best_val: float | None = None
@@ -66,6 +71,20 @@ class AlarmMonitor:
                 f"policy entropy {ent:.4f} has been below {c.entropy_min} for {self.low_entropy_run} steps while "
                 f"the reward ({recent:.3f}) is below {c.entropy_reward_max}: the policy stopped exploring. Try "
                 f"algorithm.entropy_coef>0, a higher rollout.temperature, or algorithm=dapo (clip-higher).")
+
+        lo, hi = row.get("adv_min"), row.get("adv_max")
+        self.no_signal_run = self.no_signal_run + 1 if lo == 0.0 and hi == 0.0 else 0
+        if self.no_signal_run >= c.no_signal_steps:
+            zero_std = (row.get("algo") or {}).get("frac_reward_zero_std")
+            groups = "every prompt group's samples scored the same" if zero_std in (None, 1.0) else \
+                f"{100 * zero_std:.0f}% of the prompt groups' samples scored the same"
+            firing["no_signal"] = (
+                f"every advantage has been 0 for {self.no_signal_run} steps: {groups} (mean reward "
+                f"{float(row['reward_mean']):.3f}), so the reward moves nothing. If that is the task's top score it is "
+                f"learnt (stop, or train on harder prompts); otherwise check that the reward function scores different "
+                f"responses differently (trainer.sample_log_freq writes them to samples.jsonl), or make the samples "
+                f"differ more: a higher rollout.temperature, a larger algorithm.rollout_n, or "
+                f"algorithm.dynamic_sampling=true (keep only groups whose scores differ).")
 
         tr = row.get("response_clip_frac")
         if tr is not None:

@@ -140,6 +140,8 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
         metrics["overlong_penalty"] = float(pen.mean())
     if kl is not None:
         metrics["kl_reward"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    if group_size > 1 and rewards.numel() % group_size == 0:  # TRL's name: groups that teach a group baseline nothing
+        metrics["frac_reward_zero_std"] = float(zero_variance_groups(rewards, group_size).float().mean())
     if name == "reinforce_pp":
         adv = reinforce_pp_advantages(rewards, mask, kl if kl_in_reward else None, cfg.kl_coef, cfg.gamma)
         return Advantages(adv, metrics=metrics)

@@ -400,6 +400,8 @@ class AlarmsConfig:
                                min=0.0)
     val_drop: float = _f(0.05, "validation drop: held-out score this far below its best while training "
                                "reward rose", min=0.0)
+    no_signal_steps: int = _f(3, "no learning signal: every advantage 0 (each prompt group's samples scored the "
+                                 "same) for this many steps in a row", min=1)
     window: int = _f(10, "steps averaged for the training reward the alarms compare", min=1)
     nonfinite_steps: int = _f(3, "non-finite gradient: stop the run after this many steps in a row whose every "
                                  "policy update was skipped for a nan/inf gradient norm", min=1)
