@@ -10,8 +10,12 @@ from __future__ import annotations
 
 
 class ChatRenderer:
-    def __init__(self, hf_tokenizer, tool_schemas: list[dict] | None):
+    def __init__(self, hf_tokenizer, tool_schemas: list[dict] | None, end_token_ids: tuple[int, ...] = ()):
         self.tok, self.tools = hf_tokenizer, tool_schemas or None
+        # the texts a model turn can end with: eos, and the model's other end tokens (Gemma's
+        # <end_of_turn>: its template ends a turn with that, never with <eos>)
+        ends = [self.tok.eos_token] + [self.tok.convert_ids_to_tokens(i) for i in end_token_ids]
+        self.ends = [e for e in dict.fromkeys(ends) if isinstance(e, str) and e]
 
     def _text(self, messages, add_generation_prompt):
         return self.tok.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -26,8 +30,8 @@ class ChatRenderer:
         if not full.startswith(base):
             raise ValueError("the chat template renders earlier messages differently once new ones follow; "
                              "its tool messages cannot be appended as a delta")
-        eos = self.tok.eos_token or ""
-        tail = base[base.rindex(eos) + len(eos):] if eos and eos in base else ""
+        at = max(((base.rindex(e), e) for e in self.ends if e in base), default=None)  # the turn's end
+        tail = base[at[0] + len(at[1]):] if at is not None else ""
         return self.tok.encode(tail + full[len(base):], add_special_tokens=False)
 
 
@@ -48,5 +52,5 @@ def make_renderer(tokenizer, tool_schemas: list[dict] | None):
     from engine.data.prompts import has_chat_template, hf_tokenizer_of
 
     if has_chat_template(tokenizer):
-        return ChatRenderer(hf_tokenizer_of(tokenizer), tool_schemas)
+        return ChatRenderer(hf_tokenizer_of(tokenizer), tool_schemas, getattr(tokenizer, "end_token_ids", ()))
     return PlainRenderer(tokenizer)

@@ -163,8 +163,8 @@ def _sampler(cfg, model_dir: str, tok, rows: int, say, agent=None, examples=None
 
         sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, device)
 
-    if agent is not None:
-        sampler.stop_token_ids = tuple(agent.stop_ids)
+    sampler.set_ends({"eos": tok.eos_token_id, "ends": getattr(tok, "end_token_ids", ()),
+                      "stops": agent.stop_ids if agent is not None else ()})
 
     def generate(prompts: list[list[int]], n: int, greedy: bool) -> tuple[list[str], list[list[int]]]:
         if agent is not None:

@@ -11,6 +11,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     pad_token_id: int
     eos_token_id: int
+    end_token_ids: tuple[int, ...]  # every token that ends a response, eos_token_id first
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -32,6 +33,7 @@ class CharTokenizer:
         self.itos = list(self.SPECIALS) + chars
         self.stoi = {c: i for i, c in enumerate(self.itos)}
         self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
+        self.end_token_ids = (self.eos_token_id,)
         self.vocab_size = len(self.itos)
         self._hf = None
 
@@ -91,6 +93,11 @@ class HFTokenizer:
         pad = self.tok.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
         self.vocab_size = len(self.tok)
+        # the tokenizer's eos, then the others the model's generation config ends on: instruct
+        # models whose tokenizer names the document's end but whose turns end with another token
+        # (Gemma's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eot_id|>) would otherwise never stop
+        self.end_token_ids = tuple(dict.fromkeys(
+            [self.eos_token_id, *(i for i in model_eos_ids(path) if i < self.vocab_size)]))
 
     def encode_prompt(self, text: str) -> list[int]:
         if self.chat_template:
@@ -106,14 +113,13 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         ids = list(ids)
-        if self.eos_token_id in ids:
-            ids = ids[: ids.index(self.eos_token_id)]
-        return self.tok.decode(ids, skip_special_tokens=True)
+        end = next((k for k, i in enumerate(ids) if i in self.end_token_ids), len(ids))
+        return self.tok.decode(ids[:end], skip_special_tokens=True)
 
 
-def _model_eos(path: str):
-    """The eos id a model directory's generation_config.json or config.json names (the first, when a
-    list), else None: what generation stops on when the tokenizer itself names no eos token."""
+def model_eos_ids(path: str) -> list[int]:
+    """The eos ids a model directory's generation_config.json names (an id or a list), else its
+    config.json's; [] when neither does."""
     from engine import json_safe
 
     for name in ("generation_config.json", "config.json"):
@@ -121,11 +127,18 @@ def _model_eos(path: str):
             eos = json_safe.loads(Path(path, name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0:
-            return eos
-    return None
+        ids = [i for i in (eos if isinstance(eos, list) else [eos])
+               if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        if ids:
+            return ids
+    return []
+
+
+def _model_eos(path: str):
+    """The first eos id the model directory names, else None: what generation stops on when the
+    tokenizer itself names no eos token."""
+    ids = model_eos_ids(path)
+    return ids[0] if ids else None
 
 
 def encode_prompt(tok, text: str) -> list[int]:

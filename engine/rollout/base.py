@@ -22,6 +22,14 @@ class Sampler(ABC):
     reads_live_model: bool = True
     last_kv_cache_bytes: int = 0
     last_sync: dict = {}
+    stop_token_ids: tuple[int, ...] = ()  # tokens besides EOS that end a response and stay in it (a tool call's end)
+    end_token_ids: tuple[int, ...] = ()   # the model's other end tokens, treated as EOS (engine/model/tokenizer.py)
+
+    def set_ends(self, vocab: dict) -> None:
+        """What ends a response, from the run's vocab: the model's end tokens besides ``eos``
+        (``vocab["ends"]``) and a tool call's end (``vocab["stops"]``, engine/agents)."""
+        self.end_token_ids = tuple(i for i in vocab.get("ends", ()) if i != vocab.get("eos"))
+        self.stop_token_ids = tuple(vocab.get("stops", ()))
 
     @abstractmethod
     def generate(self, model: torch.nn.Module | None, prompts: list[list[int]], n: int,

@@ -119,15 +119,21 @@ class TorchSampler(Sampler):
         self.fast = fast
         self.last_kv_cache_bytes = 0
         self.last_lanes = 1
-        # tokens besides EOS that end a response and stay in it (a tool call's end marker,
-        # engine/agents/parsers.py); empty: EOS alone, as every single-turn run
+        # besides EOS (Sampler.set_ends): a tool call's end marker (stop_token_ids, kept in the
+        # response) and the model's other end tokens (end_token_ids: its generation_config.json's
+        # eos_token_id beside the tokenizer's eos, e.g. Gemma's <end_of_turn>, Llama 3's <|eot_id|>),
+        # which end a response as EOS does and rollout.ignore_eos forbids too
         self.stop_token_ids: tuple[int, ...] = ()
+        self.end_token_ids: tuple[int, ...] = ()
         # decode with static shapes (engine/rollout/graphed_decode.py): captured as CUDA graphs on a
         # GPU (rollout.cuda_graphs); on a CPU the same steps run eagerly (what the tests compare)
         self.static_shapes = bool(getattr(cfg, "cuda_graphs", False))
 
+    def _eos(self, dev) -> torch.Tensor:
+        return torch.tensor([self.eos, *self.end_token_ids], device=dev)
+
     def _stops(self, dev) -> torch.Tensor:
-        return torch.tensor([self.eos, *self.stop_token_ids], device=dev)
+        return torch.tensor([self.eos, *self.end_token_ids, *self.stop_token_ids], device=dev)
 
     def generate(self, model, prompts: list[list[int]], n: int, generator: torch.Generator,
                  greedy: bool = False) -> SequenceBatch:
@@ -328,7 +334,7 @@ class TorchSampler(Sampler):
         logps = torch.zeros((b, N), device=dev)
         lengths = torch.full((b,), N, dtype=torch.long, device=dev)
         live = None  # original row of each current row; None while every row is live
-        eos = torch.tensor([self.eos], device=dev)
+        eos = self._eos(dev)
         stops = self._stops(dev)
         cache_bytes, taken = 0, 0
         for t in range(N):
@@ -366,7 +372,7 @@ class TorchSampler(Sampler):
             return self._decode(steps, logits, noise)
         from engine.rollout.graphed_decode import decode_graphed
 
-        eos = torch.tensor([self.eos], device=logits.device)
+        eos = self._eos(logits.device)
         return decode_graphed(steps, lambda lg, u: self._sample(lg, u, eos), logits, noise, self.cfg.max_new_tokens,
                               self._stops(logits.device), self.pad, self.cfg.ignore_eos,
                               capture=logits.device.type == "cuda")
@@ -385,7 +391,7 @@ class TorchSampler(Sampler):
         else:
             probs = logp.exp()  # softmax(scaled); the inverse transform needs no normalisation
             if self.cfg.ignore_eos:
-                probs[:, self.eos] = 0.0
+                probs[:, eos] = 0.0
             tok = sample_inverse_cdf(probs, u)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -427,8 +433,8 @@ class TorchSampler(Sampler):
             scaled = logits / temp
             logp = torch.log_softmax(scaled, dim=-1)
             if self.cfg.ignore_eos:
-                scaled = scaled.index_fill(-1, torch.tensor([self.eos], device=dev), float("-inf"))
-                logits = logits.index_fill(-1, torch.tensor([self.eos], device=dev), float("-inf"))
+                scaled = scaled.index_fill(-1, self._eos(dev), float("-inf"))
+                logits = logits.index_fill(-1, self._eos(dev), float("-inf"))
             if greedy:
                 tok = logits.argmax(-1)
             else:

@@ -150,7 +150,6 @@ class VLLMSampler(Sampler):
 
         self.cfg, self.rcfg = cfg, cfg.rollout
         self.pad, self.eos = pad_token_id, eos_token_id
-        self.stop_token_ids: tuple[int, ...] = ()  # tokens besides EOS that end a response (kept in it)
         self.device = device
         self.rank = rank
         self.on_cuda = device.type == "cuda"
@@ -186,7 +185,7 @@ class VLLMSampler(Sampler):
         hf_config = hf_config_for(cfg, model_path, vocab)
         rows = math.ceil(cfg.data.train_batch_size / max(1, dp_size)) * cfg.algorithm.rollout_n
         sampler = cls(cfg, hf_config, engine.export_hf_state_dict(), vocab["pad"], vocab["eos"], device, rank, rows)
-        sampler.stop_token_ids = tuple(vocab.get("stops", ()))  # a tool call's end (engine/agents)
+        sampler.set_ends(vocab)
         return sampler
 
     # ---- engine lifecycle -----------------------------------------------------------------
@@ -237,7 +236,7 @@ class VLLMSampler(Sampler):
         # vLLM gives sample j of a prompt seed + j
         base = int(torch.randint(0, 2**30, (1,), generator=generator))
         params = [SamplingParams(n=n, temperature=temp, top_p=top_p, max_tokens=self.rcfg.max_new_tokens,
-                                 logprobs=0, stop_token_ids=[self.eos, *self.stop_token_ids], seed=base + i * n,
+                                 logprobs=0, stop_token_ids=[self.eos, *self.end_token_ids, *self.stop_token_ids], seed=base + i * n,
                                  detokenize=False,
                                  min_tokens=self.rcfg.max_new_tokens if self.rcfg.ignore_eos else 0)
                   for i in range(len(prompts))]

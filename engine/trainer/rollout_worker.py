@@ -67,7 +67,7 @@ class RolloutWorker:
             self.model.requires_grad_(False)
             self._load_into_model(state_dict)
             self.sampler = TorchSampler(self.cfg.rollout, vocab["pad"], vocab["eos"], self.device)
-        self.sampler.stop_token_ids = tuple(vocab.get("stops", ()))  # a tool call's end (engine/agents)
+        self.sampler.set_ends(vocab)
         self.version = version
         return {"pid": os.getpid(), "device": str(self.device)}
 

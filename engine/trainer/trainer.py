@@ -365,7 +365,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         adv_min=float(adv_tokens.min()) if adv_tokens.numel() else 0.0,
         adv_max=float(adv_tokens.max()) if adv_tokens.numel() else 0.0,
         response_len_min=int(lengths.min()), response_len_max=int(lengths.max()),
-        response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["eos"]),
+        response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens,
+                                              inputs.vocab.get("ends") or [inputs.vocab["eos"]]),
         samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples,
         staleness=staleness_record(ro.versions, step) if ahead is not None else {})
 
@@ -520,8 +521,9 @@ def _merge_gen_stats(calls: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> float:
-    """Fraction of responses cut at max_new_tokens: that long, and not ending with EOS."""
+def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, ends) -> float:
+    """Fraction of responses cut at max_new_tokens: that long, and not ending with an end token
+    (``ends``: the model's end token ids, or the one EOS id)."""
     import torch
 
     mask = batch.response_mask
@@ -529,7 +531,8 @@ def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, eos: int) -> f
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = (positions * (mask > 0)).argmax(-1, keepdim=True)
     last_token = batch.input_ids.gather(1, last).squeeze(1)
-    cut = (lengths >= max_new_tokens) & (last_token != eos)
+    ended = torch.isin(last_token, torch.tensor(ends if isinstance(ends, (list, tuple)) else [ends]))
+    cut = (lengths >= max_new_tokens) & ~ended
     return float(cut.float().mean()) if len(lengths) else 0.0
 
 

@@ -156,7 +156,7 @@ class RankWorker:
 
         sampler = TorchSampler(self.cfg.rollout, self.vocab["pad"], self.vocab["eos"], self.device,
                                record_routing=self.cfg.algorithm.router_replay != "off")
-        sampler.stop_token_ids = tuple(self.vocab.get("stops", ()))  # a tool call's end (engine/agents)
+        sampler.set_ends(self.vocab)
         return sampler
 
     def _make_critic(self):
