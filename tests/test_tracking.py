@@ -79,8 +79,8 @@ def test_truncated_fraction_counts_responses_cut_at_max_new_tokens():
 
     eos = 9
     b = _batch([[3, 4, 5, 6], [3, 4, 5, eos], [3, eos], [4, 4, 4, 4]], eos=eos)
-    assert truncated_fraction(b, max_new_tokens=4, ends=eos) == pytest.approx(0.5)   # rows 0 and 3
-    assert truncated_fraction(b, max_new_tokens=5, ends=eos) == 0.0
+    assert truncated_fraction(b, max_new_tokens=4, ends=[eos]) == pytest.approx(0.5)   # rows 0 and 3
+    assert truncated_fraction(b, max_new_tokens=5, ends=[eos]) == 0.0
     # a model with another end token (Gemma's <end_of_turn>): row 0 ending with it was not cut
     assert truncated_fraction(b, max_new_tokens=4, ends=[eos, 6]) == pytest.approx(0.25)  # row 3
 

@@ -163,7 +163,7 @@ def _sampler(cfg, model_dir: str, tok, rows: int, say, agent=None, examples=None
 
         sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, device)
 
-    sampler.set_ends({"eos": tok.eos_token_id, "ends": getattr(tok, "end_token_ids", ()),
+    sampler.set_ends({"eos": tok.eos_token_id, "ends": tok.end_token_ids,
                       "stops": agent.stop_ids if agent is not None else ()})
 
     def generate(prompts: list[list[int]], n: int, greedy: bool) -> tuple[list[str], list[list[int]]]:

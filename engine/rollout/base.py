@@ -22,8 +22,12 @@ class Sampler(ABC):
     reads_live_model: bool = True
     last_kv_cache_bytes: int = 0
     last_sync: dict = {}
-    stop_token_ids: tuple[int, ...] = ()  # tokens besides EOS that end a response and stay in it (a tool call's end)
-    end_token_ids: tuple[int, ...] = ()   # the model's other end tokens, treated as EOS (engine/model/tokenizer.py)
+    # besides EOS (set_ends): a tool call's end marker (stop_token_ids, kept in the response) and the
+    # model's other end tokens (end_token_ids: its generation_config.json's eos_token_id beside the
+    # tokenizer's eos, e.g. Gemma's <end_of_turn>), which end a response as EOS does and
+    # rollout.ignore_eos forbids too
+    stop_token_ids: tuple[int, ...] = ()
+    end_token_ids: tuple[int, ...] = ()
 
     def set_ends(self, vocab: dict) -> None:
         """What ends a response, from the run's vocab: the model's end tokens besides ``eos``

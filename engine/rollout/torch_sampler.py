@@ -119,12 +119,6 @@ class TorchSampler(Sampler):
         self.fast = fast
         self.last_kv_cache_bytes = 0
         self.last_lanes = 1
-        # besides EOS (Sampler.set_ends): a tool call's end marker (stop_token_ids, kept in the
-        # response) and the model's other end tokens (end_token_ids: its generation_config.json's
-        # eos_token_id beside the tokenizer's eos, e.g. Gemma's <end_of_turn>, Llama 3's <|eot_id|>),
-        # which end a response as EOS does and rollout.ignore_eos forbids too
-        self.stop_token_ids: tuple[int, ...] = ()
-        self.end_token_ids: tuple[int, ...] = ()
         # decode with static shapes (engine/rollout/graphed_decode.py): captured as CUDA graphs on a
         # GPU (rollout.cuda_graphs); on a CPU the same steps run eagerly (what the tests compare)
         self.static_shapes = bool(getattr(cfg, "cuda_graphs", False))
@@ -427,14 +421,15 @@ class TorchSampler(Sampler):
         lengths = torch.full((B,), self.cfg.max_new_tokens, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)     # rows that already ended
         kwarg = cache_kwarg(model)
+        eos = self._eos(dev)
         steps = 0
         for t in range(self.cfg.max_new_tokens):
             steps = t + 1
             scaled = logits / temp
             logp = torch.log_softmax(scaled, dim=-1)
             if self.cfg.ignore_eos:
-                scaled = scaled.index_fill(-1, self._eos(dev), float("-inf"))
-                logits = logits.index_fill(-1, self._eos(dev), float("-inf"))
+                scaled = scaled.index_fill(-1, eos, float("-inf"))
+                logits = logits.index_fill(-1, eos, float("-inf"))
             if greedy:
                 tok = logits.argmax(-1)
             else:

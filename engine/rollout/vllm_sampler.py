@@ -235,9 +235,9 @@ class VLLMSampler(Sampler):
         # per-prompt seeds drawn from the rank's generator: reproducible runs, resumable RNG;
         # vLLM gives sample j of a prompt seed + j
         base = int(torch.randint(0, 2**30, (1,), generator=generator))
+        stops = [self.eos, *self.end_token_ids, *self.stop_token_ids]
         params = [SamplingParams(n=n, temperature=temp, top_p=top_p, max_tokens=self.rcfg.max_new_tokens,
-                                 logprobs=0, stop_token_ids=[self.eos, *self.end_token_ids, *self.stop_token_ids], seed=base + i * n,
-                                 detokenize=False,
+                                 logprobs=0, stop_token_ids=stops, seed=base + i * n, detokenize=False,
                                  min_tokens=self.rcfg.max_new_tokens if self.rcfg.ignore_eos else 0)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)

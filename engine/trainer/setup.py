@@ -142,7 +142,7 @@ def prepare_inputs(cfg: RunConfig) -> RunInputs:
                               f"data.max_prompt_length={keep} data.filter_overlong_prompts=true.",
                               title="prompt too long")
     vocab = {"size": tok.vocab_size, "pad": tok.pad_token_id, "eos": tok.eos_token_id,
-             "ends": list(getattr(tok, "end_token_ids", ())),  # the model's end tokens, eos first
+             "ends": list(tok.end_token_ids),  # the model's end tokens, eos first
              "stops": agent.stop_ids if agent is not None else []}
     check_model_fits_run(cfg, model_path, vocab)
     from engine.reward_model.actor import ActorRewardModel

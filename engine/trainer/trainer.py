@@ -365,8 +365,7 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         adv_min=float(adv_tokens.min()) if adv_tokens.numel() else 0.0,
         adv_max=float(adv_tokens.max()) if adv_tokens.numel() else 0.0,
         response_len_min=int(lengths.min()), response_len_max=int(lengths.max()),
-        response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens,
-                                              inputs.vocab.get("ends") or [inputs.vocab["eos"]]),
+        response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["ends"]),
         samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples,
         staleness=staleness_record(ro.versions, step) if ahead is not None else {})
 
@@ -521,9 +520,9 @@ def _merge_gen_stats(calls: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, ends) -> float:
-    """Fraction of responses cut at max_new_tokens: that long, and not ending with an end token
-    (``ends``: the model's end token ids, or the one EOS id)."""
+def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, ends: list[int]) -> float:
+    """Fraction of responses cut at max_new_tokens: that long, and not ending with one of the
+    model's end tokens ``ends``."""
     import torch
 
     mask = batch.response_mask
@@ -531,8 +530,7 @@ def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, ends) -> float
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = (positions * (mask > 0)).argmax(-1, keepdim=True)
     last_token = batch.input_ids.gather(1, last).squeeze(1)
-    ended = torch.isin(last_token, torch.tensor(ends if isinstance(ends, (list, tuple)) else [ends]))
-    cut = (lengths >= max_new_tokens) & ~ended
+    cut = (lengths >= max_new_tokens) & ~torch.isin(last_token, torch.tensor(list(ends)))
     return float(cut.float().mean()) if len(lengths) else 0.0
 
 
