@@ -9,6 +9,7 @@ several checks on one engine.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +107,15 @@ def test_export_dir_writes_full_weights_and_refuses_partial(tmp_path):
 
 
 def _vllm_rank(rank, world):
-    """One rank: FSDP engine + vLLM sampler on a tied-embedding model (head_dim 32)."""
+    """One rank: FSDP engine + vLLM sampler on a tied-embedding model (head_dim 32), with a temp
+    directory of its own (what the engine leaves there is checked)."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    tmp = tempfile.mkdtemp(prefix="rank-tmp-")
+    os.environ["TMPDIR"], tempfile.tempdir = tmp, tmp  # this process's and the engine processes'
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
     from engine.rollout.vllm_sampler import VLLMSampler
@@ -117,8 +126,9 @@ def _vllm_rank(rank, world):
     eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
     sampler = VLLMSampler.from_engine(cfg, eng, "", {"size": VOCAB, "pad": PAD, "eos": EOS}, eng.device, rank)
-    out = {"startup_s": sampler.startup_s}
+    out = {"startup_s": sampler.startup_s, "ipc_dir": sampler.ipc.path}
     try:
+        out["ipc_sockets"] = sum(p.is_socket() for p in sampler.ipc.path.iterdir())
         prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [2]]
         batch = sampler.generate(None, prompts, 4, torch.Generator().manual_seed(0))
         out["batch"] = batch
@@ -146,7 +156,64 @@ def _vllm_rank(rank, world):
         out["memory"] = sampler.memory()
     finally:
         sampler.shutdown()
+    # torch's compile cache (torchinductor_<user>) is a cache, meant to stay; sockets are not
+    out["left_in_tmp"] = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*")
+                                if p.is_socket() or p.name.startswith("rl-vllm"))
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def test_socket_dirs_of_dead_processes_are_swept_and_the_users_path_is_kept(tmp_path, monkeypatch):
+    """A rank killed before its engine shut down leaves its socket directory: the next engine on
+    the host removes it once its process is gone (and it is old enough that a process of another
+    PID namespace could not be binding in it). A live process's directory, a young one, another
+    name and the user's VLLM_RPC_BASE_PATH are left alone; a temp directory too long for a socket
+    path leaves vLLM's default."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from engine.rollout import vllm_ipc
+
+    short = Path(tempfile.mkdtemp(prefix="ipc-", dir="/tmp"))  # tmp_path is too long for a socket path
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        old = time.time() - 2 * vllm_ipc.STALE_AFTER_S
+        gone = short / f"rl-vllm-ipc-{dead}-a"
+        kept = [short / n for n in (f"rl-vllm-ipc-{dead}-young", f"rl-vllm-ipc-{os.getpid()}-b", "rl-vllm-ipc-x-c",
+                                    "other")]
+        for d in [gone, *kept]:
+            d.mkdir()
+            (d / "sock").write_text("")
+            if not d.name.endswith("young"):
+                os.utime(d, (old, old))
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        monkeypatch.delenv(vllm_ipc.ENV, raising=False)
+        ipc = vllm_ipc.IpcDir()
+        ipc.open()
+        assert not gone.exists() and all(d.exists() for d in kept)
+        assert ipc.path.parent == short and ipc.path.name.startswith(f"rl-vllm-ipc-{os.getpid()}-")
+        assert os.environ[vllm_ipc.ENV] == str(ipc.path)
+        first = ipc.path
+        ipc.remove()
+        assert not first.exists() and all(d.exists() for d in kept)
+        ipc.open()  # the next engine of this process gets a directory of its own
+        assert ipc.path.exists() and ipc.path != first and os.environ[vllm_ipc.ENV] == str(ipc.path)
+        ipc.remove()
+        monkeypatch.setenv(vllm_ipc.ENV, str(short / "users"))
+        ipc.open()
+        assert ipc.path is None and os.environ[vllm_ipc.ENV] == str(short / "users")
+        monkeypatch.delenv(vllm_ipc.ENV)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("x" * 60)))
+        (tmp_path / ("x" * 60)).mkdir()
+        ipc.open()
+        assert ipc.path is None and vllm_ipc.ENV not in os.environ and list((tmp_path / ("x" * 60)).iterdir()) == []
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
@@ -157,8 +224,12 @@ def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     temperature (tolerance 1e-4 nats, fp32; measured ~1e-6); (3) after an optimizer step the
     sync check sees stale weights, after sync_weights it passes, and fresh rollouts' log-probs
     again equal the trainer's (so lm_head followed the tied embedding); (4) memory() reports
-    the KV cache and the engine processes."""
+    the KV cache and the engine processes; (5) the engine's sockets were in a directory of rl's
+    in the temp directory, and no socket or directory of it is left after shutdown (vLLM left ~7
+    socket files in /tmp per engine)."""
     (r,) = run_ranks(_vllm_rank, 1)
+    assert r["ipc_dir"].name.startswith("rl-vllm-ipc-") and r["ipc_sockets"] >= 1, r
+    assert r["left_in_tmp"] == [], r["left_in_tmp"]
     from tests.test_sampling_parity import check_responses_follow
 
     # (0) every sampled token follows softmax(logits / T) of the policy, EOS at its rate at every step

@@ -146,8 +146,10 @@ class VLLMSampler(Sampler):
                  eos_token_id: int, device: torch.device, rank: int = 0, rows_per_call: int = 0):
         set_vllm_env(device)  # before vLLM is first imported (its logging reads the env then)
         check_vllm_config(cfg, head_dim_of(hf_config))
+        from engine.rollout.vllm_ipc import IpcDir
         from engine.rollout.vllm_weight_sync import HFExportDir
 
+        self.ipc = IpcDir()  # the engine's sockets: opened as it starts, removed with it
         self.cfg, self.rcfg = cfg, cfg.rollout
         self.pad, self.eos = pad_token_id, eos_token_id
         self.device = device
@@ -173,6 +175,7 @@ class VLLMSampler(Sampler):
             self.llm = self._start(hf_config, rows)
         except BaseException:
             self.export.remove()
+            self.ipc.remove()
             raise
         self.startup_s = time.perf_counter() - t0
         self.kv_cache_bytes = self._kv_cache_bytes()
@@ -204,10 +207,11 @@ class VLLMSampler(Sampler):
         else:
             kw.update(enforce_eager=True, kv_cache_memory_bytes=cpu_kv_cache_bytes(
                 hf_config, self.dtype, self.max_model_len, rows))
+        self.ipc.open()
         return LLM(**kw)
 
     def shutdown(self) -> None:
-        """Stop the engine's processes and delete the export directory."""
+        """Stop the engine's processes and delete the export and socket directories."""
         llm, self.llm = self.llm, None
         if llm is not None:
             try:
@@ -216,10 +220,12 @@ class VLLMSampler(Sampler):
                 pass
             del llm
         self.export.remove()
+        self.ipc.remove()
 
     def __del__(self):
         try:
             self.export.remove()
+            self.ipc.remove()
         except Exception:
             pass
 
