@@ -9,7 +9,10 @@ sampled by the weights *before* step k's update, as rl's rollout worker samples 
 treatments of that one-version-stale batch (``b`` = the sampling weights, ``theta`` = the weights at
 the update, ``w_i = pi_theta(y_i) / pi_b(y_i)`` a response's sequence ratio):
 
-- ``sync``: no delay (the reference loop itself);
+- ``sync``: no delay (the reference loop itself, drawing from rank 0's stream: ``seed * 7919``);
+- ``sync_rs``: no delay, drawing from the rollout worker's stream, as every delayed variant does:
+  ``behavior`` against ``sync_rs`` is the delay alone, seed for seed (against ``sync`` it is the
+  delay plus another stream, and at 7 seeds the stream alone can look like a lag);
 - ``behavior``: rl's default: PPO's ratio against pi_b, clipped per version to 0.8^2 .. 1.2^2;
 - ``snis``: self-normalised importance sampling per prompt group: weights ``G w_i / sum_j w_j``
   give the group's baseline and std (estimates of the value under pi_theta, not pi_b) and weigh
@@ -19,7 +22,12 @@ the update, ``w_i = pi_theta(y_i) / pi_b(y_i)`` a response's sequence ratio):
   the per-version bounds in the advantage's direction get no gradient;
 - ``predicted``: ``behavior``'s loss, but the stale batch is sampled by the weights the update is
   predicted to reach: the current weights plus the last update again (``2 theta_k - theta_{k-1}``,
-  weight prediction as SpecTrain does for pipeline staleness); pi_b is that prediction.
+  weight prediction as SpecTrain does for pipeline staleness); pi_b is that prediction;
+- ``ratio_only``: each token's ratio to pi_b, no trust region (decoupled PPO at one update, untruncated);
+- ``decoupled``: the same with the ratio truncated at TIS_CAP and used as a weight (AReaL's
+  decoupled loss at one update with truncated importance sampling);
+- ``as_fresh``: no correction (the stale batch's gradient as if theta had sampled it);
+- ``stale_once``: ``behavior`` for step 1's batch only, then on-policy (is the lag made early?).
 
 The first step trains on a fresh batch (staleness 0), as in rl.
 """
@@ -41,11 +49,13 @@ sys.path.insert(0, str(HERE))
 
 from reference_grpo import EOS, PAD, policy_and_optimizer, right_padded, rl_prompt_order, sample_with_rl  # noqa: E402
 
-VARIANTS = ("sync", "behavior", "snis", "snis_baseline", "snis_masked", "predicted")
+VARIANTS = ("sync", "behavior", "snis", "snis_baseline", "snis_masked", "predicted", "ratio_only", "as_fresh", "decoupled", "stale_once", "sync_rs")
 CLIP = 0.2
+TIS_CAP = 2.0
+LR = 1e-3  # the learning suite's (bench/learning.py)
 
 
-def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: str, *, lr: float = 1e-3,
+def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: str, *, lr: float = LR,
                 new_tokens: int = 32, prompts: int = 8, samples: int = 8) -> list[dict]:
     """Per step: reward_mean, response_len_mean, entropy, grad_norm, kl_to_sampler (k3, token mean),
     clip_frac, ess (the groups' mean effective sample size under the snis weights).
@@ -69,6 +79,7 @@ def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: 
     sampler = TorchSampler(RolloutConfig(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), PAD, EOS,
                            torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed * 7919 if variant == "sync" else rollout_seed(seed))
+    fresh = variant in ("sync", "sync_rs")
 
     def draw(step: int, stale: int) -> dict:
         batch = [rows[i] for i in order[step * prompts:(step + 1) * prompts]]
@@ -86,7 +97,9 @@ def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: 
 
     out, ahead, before = [], None, None
     for step in range(steps):
-        cur = draw(step, 0) if variant == "sync" or ahead is None else ahead
+        cur = draw(step, 0) if fresh or ahead is None else ahead
+        if variant == "stale_once" and step >= 1:  # one stale batch (step 1's), then on-policy
+            fresh, ahead = True, None
         if variant == "predicted" and before is not None:  # sample with theta + (theta - theta_before)
             now = [p.detach().clone() for p in model.parameters()]
             with torch.no_grad():
@@ -96,7 +109,7 @@ def delayed_run(job_dir: Path, model_dir: Path, seed: int, steps: int, variant: 
             with torch.no_grad():
                 for p, n in zip(model.parameters(), now):
                     p.copy_(n)
-        elif variant != "sync":  # the next batch, from the weights before this update
+        elif not fresh:  # the next batch, from the weights before this update
             ahead = draw(step + 1, 1)
         if variant == "predicted":
             before = [p.detach().clone() for p in model.parameters()]
@@ -124,7 +137,7 @@ def stale_batch_loss(variant: str, logp, cur: dict, prompts: int, samples: int):
     import torch
 
     mask, g = cur["mask"], cur["rewards"].view(prompts, samples)
-    stale = cur["stale"] and variant != "sync"
+    stale = cur["stale"] and variant not in ("sync", "sync_rs")
     if stale:  # ratio to the sampling weights; PPO's bounds compound per version (rl's per_version)
         to_sampler, lo, hi = torch.exp(logp - cur["sampler_logp"]), (1 - CLIP) ** 2, (1 + CLIP) ** 2
     else:
@@ -139,7 +152,18 @@ def stale_batch_loss(variant: str, logp, cur: dict, prompts: int, samples: int):
         else:
             base, std = g.mean(1, keepdim=True), g.std(1, keepdim=True)
         adv = ((g - base) / (std + 1e-6)).reshape(-1)[:, None]
-    if variant in ("sync", "behavior", "snis_baseline"):
+    if variant == "ratio_only":  # per-token importance ratio to pi_b, no trust region (decoupled PPO at one update)
+        info["clip_frac"] = 0.0
+        return -(to_sampler * adv * mask).sum() / mask.sum(), info
+    if variant == "decoupled":  # AReaL's decoupled PPO at one update: ratio to the proximal (theta) = 1,
+        # each token weighted by its importance ratio pi_theta / pi_b, truncated at TIS_CAP (no trust-region mask)
+        weight = to_sampler.detach().clamp(max=TIS_CAP)
+        info["clip_frac"] = float(((to_sampler.detach() > TIS_CAP).float() * mask).sum() / mask.sum())
+        return -(weight * torch.exp(logp - logp.detach()) * adv * mask).sum() / mask.sum(), info
+    if variant == "as_fresh":  # no correction: the stale batch's gradient as if theta had sampled it
+        info["clip_frac"] = 0.0
+        return -(torch.exp(logp - logp.detach()) * adv * mask).sum() / mask.sum(), info
+    if variant in ("sync", "sync_rs", "behavior", "snis_baseline", "stale_once"):
         clipped = to_sampler.clamp(lo, hi) * adv
         per_token = torch.minimum(to_sampler * adv, clipped)
         info["clip_frac"] = float((((to_sampler * adv) > clipped).float() * mask).sum() / mask.sum())
@@ -153,13 +177,17 @@ def stale_batch_loss(variant: str, logp, cur: dict, prompts: int, samples: int):
     return -(ratio * weight * adv * keep * mask).sum() / (weight * mask).sum(), info
 
 
-def _one(job: str, variant: str, seed: int, work: Path, steps: int, out_dir: Path) -> dict:
-    out = out_dir / f"{job}_{variant}_{seed}.json"
+def _one(job: str, variant: str, seed: int, work: Path, steps: int, out_dir: Path, lr: float) -> dict:
+    out = out_dir / f"{job}_{variant}_{seed}{_lr_tag(lr)}.json"
     if not out.exists():
         cmd = [sys.executable, __file__, "--worker", "--jobs", job, "--variants", variant, "--seeds", str(seed),
-               "--steps", str(steps), "--work", str(work), "--out-dir", str(out_dir)]
+               "--steps", str(steps), "--work", str(work), "--out-dir", str(out_dir), "--lr", str(lr)]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     return {"job": job, "variant": variant, "seed": seed, "steps": json.loads(out.read_text())}
+
+
+def _lr_tag(lr: float) -> str:
+    return "" if lr == LR else f"_lr{lr:g}"
 
 
 def main() -> None:
@@ -168,6 +196,7 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=LR, help="AdamW's learning rate (the learning suite's by default)")
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (each on OMP_NUM_THREADS threads)")
     ap.add_argument("--work", default="/tmp/rl-learning", help="bench/learning.py's jobs and model")
     ap.add_argument("--out-dir", default="/tmp/rl-delayed-grpo", help="one JSON per run; an existing one is reused")
@@ -185,15 +214,15 @@ def main() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         job, variant, seed = args.jobs[0], args.variants[0], args.seeds[0]
         t = time.perf_counter()
-        steps = delayed_run(build_job(work, job), work / "model", seed, args.steps, variant)
+        steps = delayed_run(build_job(work, job), work / "model", seed, args.steps, variant, lr=args.lr)
         steps[-1]["run_s"] = time.perf_counter() - t
-        (out_dir / f"{job}_{variant}_{seed}.json").write_text(json.dumps(steps))
+        (out_dir / f"{job}_{variant}_{seed}{_lr_tag(args.lr)}.json").write_text(json.dumps(steps))
         return
     todo = [(j, v, s) for j in args.jobs for v in args.variants for s in args.seeds]
     for j in args.jobs:
         build_job(work, j)
     with ThreadPoolExecutor(args.parallel) as pool:
-        runs = list(pool.map(lambda a: _one(*a, work, args.steps, out_dir), todo))
+        runs = list(pool.map(lambda a: _one(*a, work, args.steps, out_dir, args.lr), todo))
     print(f"{'job':6s} {'variant':14s} {'mean last-10':>12s} {'median':>7s}  stop steps; last-10 reward per seed")
     for j in args.jobs:
         for v in args.variants:
