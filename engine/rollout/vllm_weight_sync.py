@@ -23,12 +23,12 @@ This module is imported inside vLLM's worker process; it must not import vLLM at
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from engine.owned_dirs import OwnedDir
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -42,7 +42,10 @@ class HFExportDir:
     """A temporary HF model directory that vLLM starts from and reloads weights from."""
 
     def __init__(self, hf_config, tie_word_embeddings: bool, dtype: torch.dtype, rank: int = 0):
-        self.path = Path(tempfile.mkdtemp(prefix=f"rl-vllm-rank{rank}-", dir=shm_dir()))
+        # locked for this process's life: a killed rank's copy of the weights (RAM, in /dev/shm)
+        # is removed by the next export directory made on the host
+        self._dir = OwnedDir(f"rl-vllm-rank{rank}-", shm_dir(), family="rl-vllm-rank")
+        self.path = self._dir.path
         self.tied = bool(tie_word_embeddings)
         self.dtype = dtype
         self.keys: set | None = None  # the tensor names of the first write; every sync must match
@@ -84,7 +87,7 @@ class HFExportDir:
         return sum(t.numel() * t.element_size() for t in out.values())
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        self._dir.remove()
 
 
 def _lm_head(model):
