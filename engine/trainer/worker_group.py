@@ -213,7 +213,7 @@ class WorkerGroup:
             if killed:  # killed for memory: the OOM answer (exit 2, the estimate's top fix), not "lost"
                 raise OutOfMemory(phase=PHASE_OF_CALL.get(what, what), rank=i, kind="host", detail=killed)
             others = ", ".join(self._where(j) for j, *_ in lost[1:])
-            raise RankLost(f"{self._where(i)} was lost while {what} ({why}: its worker process or node died)"
+            raise RankLost(f"{self._where(i)} was lost while waiting for {what} ({why}: its worker process or node died)"
                            + (f"; also lost: {others}" if others else "") +
                            f". The run stopped; checkpoints already complete are intact. Continue with "
                            f"`rl resume {self.run_dir}` once the cluster has the ranks again.", title="rank lost")
