@@ -3,7 +3,8 @@
 A process that dies without cleaning up (SIGKILL, the kernel's OOM killer, a native crash) leaves
 its temporary directories behind. For the vLLM rollout that is a full copy of the policy's weights
 in /dev/shm (RAM that stays taken until the host reboots, making the next run likelier to run out)
-and the engine's socket files. Each OwnedDir holds an exclusive lock on a file inside it for its
+and the engine's socket files; for `rl eval` of a checkpoint, the checkpoint's weights converted
+to a Hugging Face directory in the temp directory. Each OwnedDir holds an exclusive lock on a file inside it for its
 owner's life: the kernel drops the lock when the process dies, whatever kills it, and whichever
 PID namespace it ran in. So a directory whose lock can be taken has no owner left, and the next
 OwnedDir made with the same family of names removes it.

@@ -8,6 +8,7 @@ one paragraph and no traceback."""
 from __future__ import annotations
 
 import itertools
+import os
 import json
 import math
 from fractions import Fraction
@@ -230,13 +231,18 @@ def test_checkpoint_and_its_export_reproduce_the_runs_own_validation(trained_run
     a, b = tmp_path / "ckpt.jsonl", tmp_path / "export.jsonl"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
+    orphan = tmp / "rl-eval-killed"  # what an eval killed mid-way leaves: its owner's lock is free
+    (orphan / "hf").mkdir(parents=True)
+    (orphan / "hf" / "model.safetensors").write_bytes(b"x" * 1000)
+    (orphan / ".owner.lock").write_text("")
+    os.utime(orphan / ".owner.lock", (0, 0))
     r = rl_proc("eval", str(trained_run), f"eval.output={a}", "--json", cwd=tmp_path,
                 env={**RL_ENV, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["source"]["kind"] == "checkpoint" and doc["source"]["step"] == 2 and doc["task"] == "sort"
     assert doc["source"]["config_from"].endswith("step_2/manifest.json")
-    assert not list(tmp.glob("rl-eval-*"))  # the temporary export is gone
+    assert not list(tmp.glob("rl-eval-*"))  # the temporary export is gone, and the killed eval's
     rows = _rows(a)
     assert [x["response"] for x in rows] == val["responses"]
     assert doc["overall"]["greedy"]["accuracy"] == pytest.approx(val["accuracy"])

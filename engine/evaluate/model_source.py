@@ -13,9 +13,7 @@ Every refusal is a UserError naming the fix; nothing here writes outside the tem
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Iterator, Optional
 
 from engine import json_safe
 from engine.errors import CheckpointError, UserError
+from engine.owned_dirs import OwnedDir
 
 USAGE = ("Pass an rl checkpoint (a run directory such as ckpt/, or one of its step_N directories), the output of "
          "`rl export`, or a Hugging Face causal-LM directory (config.json, weights and tokenizer files, as "
@@ -59,11 +58,13 @@ def open_model(path: str) -> Iterator[ModelSource]:
     if (p / "config.json").is_file():
         yield _hf_dir(p, given)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="rl-eval-"))
+    # the checkpoint's weights as a Hugging Face directory, for this eval only; an eval killed
+    # before it removes them (SIGKILL, the OOM killer) leaves them to the next rl eval's sweep
+    tmp = OwnedDir("rl-eval-")
     try:
-        yield _checkpoint(p, given, tmp)
+        yield _checkpoint(p, given, tmp.path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.remove()
 
 
 def _hf_dir(p: Path, given: str) -> ModelSource:
