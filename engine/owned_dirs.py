@@ -34,7 +34,12 @@ class OwnedDir:
         remove_orphans(base_dir, family or prefix)
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=base_dir))
         self._fd: int | None = os.open(self.path / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without locks: no lock file, so no sweep takes it for an orphan
+            os.unlink(self.path / LOCK)
+            os.close(self._fd)
+            self._fd = None
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

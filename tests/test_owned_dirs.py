@@ -61,3 +61,23 @@ def test_a_killed_owners_directory_is_removed_by_the_next_and_a_live_ones_is_not
         for p, _ in holders.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_on_a_file_system_without_locks_the_directory_works_and_is_never_taken_for_an_orphan(tmp_path,
+                                                                                            monkeypatch):
+    """flock can fail where the file system has no locks (some network mounts): the directory is
+    still made, without a lock file, so no other process's sweep removes it while it is used."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    with monkeypatch.context() as m:
+        m.setattr(fcntl, "flock", no_locks)
+        d = OwnedDir("rl-eval-", str(tmp_path))
+    assert d.path.is_dir() and not (d.path / LOCK).exists()
+    os.utime(d.path, (0, 0))
+    assert remove_orphans(tmp_path, "rl-eval-") == [] and d.path.is_dir()
+    d.remove()
+    assert not d.path.exists()
