@@ -165,8 +165,10 @@ def _vllm_rank(rank, world):
 
 def test_each_engine_gets_a_socket_directory_and_the_users_path_is_kept(tmp_path, monkeypatch):
     """vLLM's socket path: a directory of rl's per engine (a killed owner's is swept:
-    tests/test_owned_dirs.py), the user's VLLM_RPC_BASE_PATH as it is, and vLLM's default where
-    the temp directory is too long for a socket path under it."""
+    tests/test_owned_dirs.py), the variable put back when the engine's directory is removed (a
+    later vLLM of the process, or a child's, was pointed at a removed directory and failed to
+    bind), the user's VLLM_RPC_BASE_PATH as it is, and vLLM's default where the temp directory is
+    too long for a socket path under it."""
     import os
     import shutil
     import tempfile
@@ -183,10 +185,16 @@ def test_each_engine_gets_a_socket_directory_and_the_users_path_is_kept(tmp_path
         assert first.parent == short and first.name.startswith("rl-vllm-ipc-")
         assert os.environ[vllm_ipc.ENV] == str(first)
         ipc.remove()
-        assert not first.exists()
+        assert not first.exists() and vllm_ipc.ENV not in os.environ  # nothing points at a removed directory
         ipc.open()  # the next engine of this process gets a directory of its own
         assert ipc.path.exists() and ipc.path != first and os.environ[vllm_ipc.ENV] == str(ipc.path)
+        other = vllm_ipc.IpcDir()  # a second engine while the first is up
+        other.open()
+        assert os.environ[vllm_ipc.ENV] == str(other.path) != str(ipc.path)
+        other.remove()
+        assert os.environ[vllm_ipc.ENV] == str(ipc.path)  # back to the first's, which is still there
         ipc.remove()
+        assert vllm_ipc.ENV not in os.environ
         monkeypatch.setenv(vllm_ipc.ENV, str(short / "users"))
         ipc.open()
         assert ipc.path is None and os.environ[vllm_ipc.ENV] == str(short / "users")

@@ -31,6 +31,7 @@ class IpcDir:
 
     def __init__(self) -> None:
         self._dir: OwnedDir | None = None
+        self._before: str | None = None  # the variable's value before open(), restored by remove()
 
     @property
     def path(self) -> Path | None:
@@ -44,10 +45,19 @@ class IpcDir:
         if len(tmp) > _MAX_BASE_LEN:
             os.environ.pop(ENV, None)
             return
+        self._before = current if current and Path(current).is_dir() else None  # another engine's, still up
         self._dir = OwnedDir(PREFIX, tmp)
         os.environ[ENV] = str(self._dir.path)  # read while the engine starts, by it and its processes
 
     def remove(self) -> None:
+        """Remove the directory, and put the variable back: a vLLM started later by this process
+        or a child it spawns must not be pointed at a directory that is gone."""
         d, self._dir = self._dir, None
-        if d is not None:
-            d.remove()
+        if d is None:
+            return
+        if os.environ.get(ENV) == str(d.path):
+            if self._before is not None and Path(self._before).is_dir():
+                os.environ[ENV] = self._before
+            else:
+                os.environ.pop(ENV, None)
+        d.remove()
