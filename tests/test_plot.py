@@ -24,16 +24,23 @@ def flat(text: str) -> str:
     return " ".join(text.replace("│", " ").split())
 
 
-def make_run(root: Path, steps: list[int], val_steps: list[int] = ()) -> Path:
-    """A run directory written by the trainer's own writers (metrics.jsonl, validation.jsonl)."""
+def make_run(root: Path, steps: list[int], val_steps: list[int] = (), sample_versions: dict | None = None,
+             step_times: dict | None = None) -> Path:
+    """A run directory written by the trainer's own writers (metrics.jsonl, validation.jsonl).
+    ``sample_versions``: step -> the policy versions of its batch's samples (a run that samples
+    ahead; the row's ``staleness`` as the trainer writes it); ``step_times``: step -> step_time_s."""
+    from engine.algorithms.staleness import staleness_record
+
     root.mkdir(parents=True)
     (root / "run.json").write_text("{}")
     log = JsonlLogger(root)
     for s in steps:
         rec = StepRecord(step=s, reward_mean=s / 100, accuracy=None, kl=None, pg_loss=0.0, entropy=None,
                          grad_norm=1.0, lr=1e-3, response_len_mean=4.0, rollout_tokens_per_s=1.0,
-                         update_tokens_per_s=1.0, step_time_s=0.1 * s, peak_mem_bytes=1, pad_fraction=0.0,
-                         distinct_shapes=1, timing={"rollout": 0.05})
+                         update_tokens_per_s=1.0, step_time_s=(step_times or {}).get(s, 0.1 * s), peak_mem_bytes=1,
+                         pad_fraction=0.0, distinct_shapes=1, timing={"rollout": 0.05})
+        if sample_versions and s in sample_versions:
+            rec.staleness = staleness_record(sample_versions[s], s)
         log.write_step(rec.to_json())
     with open(root / "validation.jsonl", "a") as f:
         for s in val_steps:
@@ -239,3 +246,48 @@ def test_a_run_path_that_is_not_a_directory_is_named(tmp_path, kind):
         p = Path("/dev/zero")
     r = cli("plot", str(p))
     assert r.exit_code == 2 and "not a run directory" in flat(r.stderr) and "Traceback" not in r.output, r.output
+
+
+def test_x_version_puts_each_batch_at_the_policy_that_sampled_it(tmp_path):
+    """--x version: a synchronous run's step k was sampled by the weights after k - 1 updates; a
+    run that samples ahead records its batch's versions (one_step_off: k - 2 from step 2 on; async:
+    a mixed batch at its mean version); a validation after step s reads version s."""
+    sync = make_run(tmp_path / "sync", [1, 2, 3, 4], [0, 4])
+    ahead = make_run(tmp_path / "ahead", [1, 2, 3, 4], [0, 4],
+                     sample_versions={1: [0] * 4, 2: [0] * 4, 3: [1, 1, 0, 0], 4: [2] * 4})
+    r = rl("plot", str(sync), str(ahead), "--x", "version", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["x_axis"] == "version"
+    assert [x["x"] for x in out["runs"]] == [[0, 1, 2, 3], [0, 0, 0.5, 2]]
+    assert [x["steps"] for x in out["runs"]] == [[1, 2, 3, 4]] * 2  # the steps are kept beside
+    r = rl("plot", str(ahead), "--metric", "val/reward", "--x", "version", "--json")
+    assert json.loads(r.stdout)["runs"][0]["x"] == [0, 4]
+    r = rl("plot", str(sync), str(ahead), "--x", "version", "--width", "70", "--height", "14")
+    assert r.returncode == 0 and "policy version that sampled the batch" in r.stdout, r.stderr
+
+
+def test_x_time_is_the_training_time_through_each_step(tmp_path):
+    """--x time: the sum of step_time_s over the steps up to the point's (validation at step 0 at
+    time 0; a step logged twice counts once, with its last row's time)."""
+    run = make_run(tmp_path / "run", [1, 2, 3], [0, 3], step_times={1: 2.0, 2: 0.5, 3: 0.25})
+    JsonlLogger(run).write_step({"step": 2, "reward_mean": 0.9, "step_time_s": 1.5})  # resumed: step 2 again
+    r = rl("plot", str(run), "--x", "time", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["runs"][0]["x"] == pytest.approx([2.0, 3.5, 3.75])
+    r = rl("plot", str(run), "--metric", "val/accuracy", "--x", "time", "--json")
+    assert json.loads(r.stdout)["runs"][0]["x"] == pytest.approx([0.0, 3.75])
+
+
+def test_an_unknown_axis_or_a_run_without_step_times_is_a_user_error(tmp_path):
+    run = make_run(tmp_path / "run", [1, 2])
+    r = rl("plot", str(run), "--x", "steps")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Unknown x axis `steps`. Use one of: step, version, time." in flat(r.stdout + r.stderr)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    JsonlLogger(bare).write_step({"step": 1, "reward_mean": 0.5})
+    r = rl("plot", str(bare), "--x", "time")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "records no step times" in flat(r.stdout + r.stderr)
+    assert rl("plot", str(bare), "--x", "version", "--json").returncode == 0  # no staleness: version = step - 1

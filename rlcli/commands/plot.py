@@ -12,10 +12,13 @@ EPILOG = """[bold]Examples[/]
   rl plot ckpt/ other_run/ --metric val/accuracy  [dim]# two runs side by side[/]
   rl plot ckpt/ --metric perf/step_time_s --png step_time.png
   rl plot ckpt/ --json                            [dim]# the series, for scripts[/]
+  rl plot sync/ ahead/ --x version                [dim]# a sync and a one_step_off run, by policy[/]
 
 Metric names: train/ (reward, accuracy, kl, clip_frac, rollout_kl, grad_norm, lr, advantage_*,
 response_len_*, ...), val/ (reward, accuracy), perf/ (step_time_s, time/<phase>, tokens/s), mem/.
-`rl plot ckpt/ --list` shows what a run has. Details: docs/tracking.md."""
+`rl plot ckpt/ --list` shows what a run has. --x version draws each point at the policy version
+that sampled its batch (a run that samples ahead trains at step k on a batch of an older policy);
+--x time at the training time through its step. Details: docs/tracking.md."""
 
 
 def complete_path(incomplete: str):
@@ -42,6 +45,10 @@ def register(app: typer.Typer) -> None:
                                            rich_help_panel="Plot", min=0)] = 0,
         height: Annotated[int, typer.Option("--height", help="Terminal chart height (rows).",
                                             rich_help_panel="Plot", min=5)] = 18,
+        x_axis: Annotated[str, typer.Option(
+            "--x", help="X axis: step; version (the policy version that sampled each batch, to compare a run "
+            "that samples ahead with a synchronous one); time (training time, the sum of step times).",
+            rich_help_panel="Plot", autocompletion=lambda: ["step", "version", "time"])] = "step",
         json_out: Annotated[bool, typer.Option(
             "--json", help="Print the series (steps and values per run) as JSON on stdout; no chart.",
             rich_help_panel="Output")] = False,
@@ -70,7 +77,7 @@ def register(app: typer.Typer) -> None:
             from engine.user_paths import PNG_MAGIC, check_output_file
 
             call_engine(check_output_file, Path(png), "--png", magic=PNG_MAGIC, kind="PNG image")
-        series = [call_engine(load_series, Path(r), metric) for r in runs]
+        series = [call_engine(load_series, Path(r), metric, x_axis) for r in runs]
         name = series[0].metric
         written = None
         if png:
@@ -78,7 +85,7 @@ def register(app: typer.Typer) -> None:
 
             written = str(call_engine(png_chart, series, name, Path(png)))
         if json_out:
-            print_json({"metric": name, "runs": [s.to_json() for s in series], "png": written})
+            print_json({"metric": name, "x_axis": x_axis, "runs": [s.to_json() for s in series], "png": written})
             return
         from rich.text import Text
 

@@ -85,6 +85,13 @@ def legend_fits(runs: int, height: int) -> bool:
     return runs <= (height - 7) // 2
 
 
+def _x_label(series: list) -> str:
+    from engine.tracking.series import X_LABELS
+
+    axis = series[0].x_axis if series else "step"
+    return X_LABELS.get(axis, axis)
+
+
 def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 16, color: bool = True) -> str:
     """A line per series, drawn by plotext; ANSI colours only when ``color``. Several runs: a
     legend in the chart when it fits, else one line under it (each run with its own marker)."""
@@ -97,7 +104,7 @@ def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 1
     inside = not several or legend_fits(len(series), height)
     below = []
     for i, s in enumerate(series):
-        steps, values = thinned(s.steps, s.values, max(width, 1) * 2)
+        steps, values = thinned(s.x, s.values, max(width, 1) * 2)
         marker = MARKERS[i % len(MARKERS)] if several and (not color or not inside) else None
         sig = fig.signal(_drawable(steps), _drawable(values), marker=marker)
         sig.lines()
@@ -108,7 +115,7 @@ def terminal_chart(series: list, title: str, *, width: int = 72, height: int = 1
             below.append(f"{'▚' if marker == 'hd' else marker} {label}")
         fig.draw(sig)
     fig.title(title)
-    fig.label("step", axis="x")
+    fig.label(_x_label(series), axis="x")
     chart = fig.build().string(colorless=not color)
     return chart + ("\n" + "   ".join(below) if below else "")
 
@@ -145,10 +152,10 @@ def png_figure(series: list, title: str):
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s in series:
-        ax.plot(_drawable(s.steps), _drawable(s.values), marker="." if len(s.steps) < 60 else None,
+        ax.plot(_drawable(s.x), _drawable(s.values), marker="." if len(s.steps) < 60 else None,
                 label=label_of(s, series) if len(series) > 1 else s.metric)
     ax.set_title(title)
-    ax.set_xlabel("step")
+    ax.set_xlabel(_x_label(series))
     ax.set_ylabel(series[0].metric if series else "")
     ax.grid(alpha=0.3)
     if len(series) > 1:
