@@ -116,6 +116,7 @@ class RunSummary:
     alarms: list = field(default_factory=list)      # every alarm raised ({kind, step, message})
     stopped_by_alarm: str | None = None             # the alarm kind trainer.stop_on_alarm stopped on
     placement: list = field(default_factory=list)   # per rank: node_id, node_ip, hostname, pid
+    versions_ahead: int = 0  # trainer.mode: how many updates the samples' policy may trail (0 = sync)
 
     @property
     def improvement(self) -> float | None:

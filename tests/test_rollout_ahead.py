@@ -259,6 +259,39 @@ def test_async_staleness_never_exceeds_its_bound(runs):
 
 
 @pytest.mark.slow
+def test_plot_by_version_sets_each_batch_at_the_weights_that_sampled_it(runs):
+    """`rl plot --x version` on the trainer's own rows: sync's step k was sampled by the weights
+    after k - 1 updates, one_step_off's by those after k - 2 (step 1 and 2 both by the initial
+    weights), async with max_staleness=2's by k - 3 once its queue is full."""
+    r = rl("plot", str(runs["sync"]), str(runs["one_step_off"]), str(runs["async2"]), "--x", "version", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [x["x"] for x in json.loads(r.stdout)["runs"]] == [[0, 1, 2, 3], [0, 0, 1, 2], [0, 0, 0, 1, 2]]
+
+
+def test_the_run_summary_says_how_far_behind_the_samples_are():
+    """A run that samples ahead says so beside its reward (a step's reward is of older weights
+    than a sync run's at that step) and how to compare it with one; a sync run adds nothing."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from rlcli.render.train import summary_table
+
+    def shown(lag):
+        s = SimpleNamespace(first_step=1, last_step=3, steps_run=3, reward_first10=0.1, improvement=None,
+                            reward_last10=0.2, val_before=None, val_after=None, alarms=[], stopped_by_alarm=None,
+                            wall_time_s=1.0, metrics_path="ckpt/metrics.jsonl", tracking={}, checkpoints=[],
+                            run_dir="ckpt", versions_ahead=lag)
+        console = Console(width=200, record=True, color_system=None)
+        console.print(summary_table(s))
+        return console.export_text()
+
+    assert "samples" not in shown(0)
+    assert "up to 2 updates behind the weights that trained on them" in shown(2)
+    assert "rl plot ckpt SYNC_RUN --x version" in shown(1) and "up to 1 update behind" in shown(1)
+
+
+@pytest.mark.slow
 def test_one_step_off_resume_continues_exactly(runs, tmp_path):
     """Stopped after step 2's checkpoint and resumed: steps 3-4 and the final state equal the
     uninterrupted run's; the checkpoint held step 3's rollouts, sampled ahead at version 1."""

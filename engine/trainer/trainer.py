@@ -196,7 +196,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
         wall_time_s=time.perf_counter() - t_start, run_dir=str(run_dir), metrics_path=str(rdir.metrics_path),
         checkpoints=checkpoints, val_before=val_before, val_after=val_after, tracking=tracking.stats(),
         alarms=alarms, stopped_by_alarm=stopped_by,
-        placement=workers.placement)
+        placement=workers.placement, versions_ahead=versions_ahead(cfg))
     on_event(summary)
     return summary
 

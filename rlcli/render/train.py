@@ -121,6 +121,10 @@ def summary_table(s) -> Table:
     t.add_row("reward, first 10 steps", f"{s.reward_first10:.3f}")
     ratio = f"  ([bold]{s.improvement:.1f}x[/])" if s.improvement is not None else ""
     t.add_row("reward, last 10 steps", f"{s.reward_last10:.3f}{ratio}")
+    lag = getattr(s, "versions_ahead", 0)
+    if lag:  # a step's reward is of a batch sampled by older weights than a sync run's at that step
+        t.add_row("samples", Text(f"up to {lag} update{'s' if lag > 1 else ''} behind the weights that trained on "
+                                  f"them; beside a sync run: rl plot {s.run_dir} SYNC_RUN --x version"))
     if s.val_before is not None or s.val_after is not None:
         t.add_row("held-out, before -> after", f"{_f(s.val_before)} -> {_f(s.val_after)}")
     alarms = getattr(s, "alarms", None) or []
