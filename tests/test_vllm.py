@@ -208,6 +208,55 @@ def test_each_engine_gets_a_socket_directory_and_the_users_path_is_kept(tmp_path
         shutil.rmtree(short, ignore_errors=True)
 
 
+def test_on_cuda_torch_cache_is_emptied_before_every_wake(monkeypatch):
+    """A colocated vLLM on a GPU sleeps while the ranks update; its engine process then wakes
+    into memory this process's torch may still hold cached (the update's, the weight export's).
+    Every wake (a sync's two, and a plain one before sampling) comes after torch.cuda.empty_cache.
+    vLLM's sleep mode needs CUDA, so the engine here is a recorder of the calls the sampler makes
+    on vLLM's LLM (their names and arguments as in vLLM 0.32)."""
+    from engine.rollout.vllm_sampler import VLLMSampler
+
+    calls = []
+
+    class LLM:
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def collective_rpc(self, name, args=()):
+            calls.append((name,))
+            return [{"seconds": 0.0, "lm_head_reprocessed": False}]
+
+        def reset_prefix_cache(self):
+            return True
+
+    class Export:
+        path = "/nonexistent"
+
+        def write_weights(self, sd):
+            calls.append(("write_weights",))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    s = object.__new__(VLLMSampler)
+    s.llm, s.export, s.on_cuda, s.asleep, s.tied = LLM(), Export(), True, False, False
+    s.sleep()
+    s.sync_weights({})
+    assert calls == [("sleep", 1), ("empty_cache",), ("wake_up", ["weights"]), ("write_weights",),
+                     ("rl_reload_weights",), ("empty_cache",), ("wake_up", ["kv_cache"])]
+    calls.clear()
+    s.sleep()
+    s.wake_up()
+    assert calls == [("sleep", 1), ("empty_cache",), ("wake_up", None)]
+    calls.clear()
+    s.on_cuda, s.asleep = False, False  # CPU: no sleep mode, nothing emptied
+    s.sleep()
+    s.wake_up()
+    assert calls == []
+
+
 def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     """On one engine start (tied embeddings): (0) 2048 samples of one prompt follow the sampling
     distribution token by token (tests/test_sampling_parity.py's check); (1) generation returns the torch rollout's

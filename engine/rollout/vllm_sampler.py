@@ -266,11 +266,13 @@ class VLLMSampler(Sampler):
         reset the prefix cache (its KV was computed with the old weights). Returns seconds."""
         t0 = time.perf_counter()
         if self.asleep:
+            self._release_cached_memory()
             self.llm.wake_up(tags=["weights"])
         nbytes = self.export.write_weights(state_dict)
         t_write = time.perf_counter() - t0
         res = self.llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
         if self.asleep:
+            self._release_cached_memory()  # the export's full-weight copies, freed by now
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         if not self.llm.reset_prefix_cache():
@@ -330,8 +332,18 @@ class VLLMSampler(Sampler):
 
     def wake_up(self) -> None:
         if self.asleep:
+            self._release_cached_memory()
             self.llm.wake_up()
             self.asleep = False
+
+    def _release_cached_memory(self) -> None:
+        """Before vLLM wakes: hand back to the device the memory this process's torch keeps
+        cached (what the update and the weight export freed). vLLM's engine runs in its own
+        process and claims physical memory on wake; memory torch holds here for reuse would
+        make that wake fail with out-of-memory though the device is mostly idle. (Offload
+        empties the cache too, but only when it is configured.)"""
+        if self.on_cuda:
+            torch.cuda.empty_cache()
 
     def _kv_cache_bytes(self) -> int:
         try:
