@@ -75,7 +75,10 @@ def param_mappings(arch: Arch, pre_process: bool = True, post_process: bool = Tr
     for i in range(n):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i + layer_offset}."
         attn_norm = "self_attention.linear_qkv.layer_norm_weight" if arch.fused_norms else "input_layernorm.weight"
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if arch.fused_norms else "pre_mlp_layernorm.weight"
+        # TE fuses the MLP's norm into linear_fc1 for a dense MLP only: a MoE layer's router reads the
+        # normed input, so its norm stays a module of its own (megatron's TE spec, num_experts set)
+        mlp_norm = ("mlp.linear_fc1.layer_norm_weight" if arch.fused_norms and not arch.is_moe
+                    else "pre_mlp_layernorm.weight")
         qkv = (h + "self_attn.q_proj.", h + "self_attn.k_proj.", h + "self_attn.v_proj.")
         out += [
             ParamMapping(m + attn_norm, (h + "input_layernorm.weight",), "replicated"),

@@ -241,7 +241,10 @@ def transformer_config(arch: Arch, *, dtype: torch.dtype, tp: int, pp: int = 1, 
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8:
-        kw.update(fp8="hybrid", fp8_recipe="delayed")
+        # amax reduced over the tensor-parallel group only: megatron's default group spans the
+        # data-parallel ranks too, whose TE all-reduce runs at every forward, and rl's data-parallel
+        # ranks may run different numbers of micro-batches (a hang)
+        kw.update(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=True)
     return TransformerConfig(**kw)
 
 

@@ -167,7 +167,11 @@ class MegatronOptimizer:
         ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
                                adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
                                clip_grad=cfg.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                               use_distributed_optimizer=use_distributed_optimizer)
+                               use_distributed_optimizer=use_distributed_optimizer,
+                               # a constant scale of 1 (exact): megatron then checks the main grads for
+                               # inf/NaN and skips the step, as MainGradAdamW does; bf16 has no scaler
+                               # otherwise, and a NaN gradient was stepped into the weights
+                               loss_scale=1.0)
         self.megatron = get_megatron_optimizer(ocfg, [ddp_model])
         self.params = params
         self.optimizer = None
@@ -188,8 +192,12 @@ class MegatronOptimizer:
         self._where: dict[int, tuple[object, torch.Tensor | None]] = {}
         for opt in self._chain():
             if isinstance(opt, DistributedOptimizer):
-                for p in self.params:          # every param, even with no slice on this rank
-                    self._where.setdefault(id(p), (opt, None))
+                # the params of this optimizer's DDP buffers, even those with no slice on this
+                # rank (its collectives need every rank); with expert parallelism the experts
+                # are in a second DistributedOptimizer of the chain, over the expert-DP group
+                for buf in opt.buffers:
+                    for p in buf.param_index_map:
+                        self._where.setdefault(id(p), (opt, None))
             elif hasattr(opt, "float16_groups"):          # Float16OptimizerWithFloat16Params
                 for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                     for p, main in zip(mg, fg):
@@ -207,7 +215,7 @@ class MegatronOptimizer:
         fp32 main grads it made (the DDP buffers are zeroed again before the next step)."""
         ok, grad_norm, _ = self.megatron.step()
         self.megatron.zero_grad()
-        return float(grad_norm) if grad_norm is not None else 0.0
+        return float(grad_norm) if ok and grad_norm is not None else float("nan")  # skipped: not finite
 
     # ---- full (DP-unsharded) per-param views; collective under DistributedOptimizer ----------
     _DIST_KEYS = ("exp_avg", "exp_avg_sq")
@@ -265,14 +273,37 @@ class MegatronOptimizer:
         if main is not None:
             st = opt.optimizer.state.setdefault(main, {})
             for k, v in values.items():
-                st[k] = v.to(main.device) if k != "step" else v
+                if k == "step":
+                    self._set_step(opt, main, v)
+                else:
+                    st[k] = v.to(main.device)
             return
         local, rng = self._local_slice(opt, p)
         if local is None:
             return
+        shard = local["param"]  # the fp32 main slice, the key of its Adam state
+        st = opt.optimizer.state[shard]
         for k, v in values.items():
-            if k in local and isinstance(local[k], torch.Tensor) and local[k].dim() > 0:
-                local[k].copy_(v.reshape(-1)[rng.start:rng.end].view_as(local[k]))
+            if k == "step":
+                self._set_step(opt, shard, v)
+                continue
+            piece = v.reshape(-1)[rng.start:rng.end].to(shard.device, torch.float32).view_as(shard)
+            if isinstance(st.get(k), torch.Tensor):
+                st[k].copy_(piece)
+            else:  # a fresh process: Adam creates its state at the first step, so there is none yet
+                st[k] = piece.clone()
+
+    @staticmethod
+    def _set_step(opt, main: torch.Tensor, value) -> None:
+        """Adam's step count, where the optimizer keeps it: torch's Adam/AdamW per parameter (a
+        0-dim float tensor on the host), Transformer-Engine's and Apex's FusedAdam per param
+        group (``group["step"]``, an int)."""
+        inner = opt.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            inner.state[main]["step"] = torch.as_tensor(value, dtype=torch.float32).detach().cpu().reshape(()).clone()
+        else:
+            for g in inner.param_groups:
+                g["step"] = int(round(float(value)))
 
     def set_main_param(self, p, value: torch.Tensor) -> None:
         opt, main = self._where[id(p)]
