@@ -75,17 +75,22 @@ def _resume_on_rank(rank: int, world: int):
     model_param = torch.nn.Parameter(saved_value.clone())
     mo, d, shard, (lo, hi) = _megatron_optimizer(rank, world, model_param, saved_value)
     assert not d.optimizer.state[shard]  # a fresh process: no Adam state before the first step
+    # reading the slice's state made an empty entry: that is not state (the coverage check)
+    fresh = {"has": mo.has_state(model_param), "state": mo.state(model_param)}
     mo.set_state(model_param, {k: v.clone() for k, v in saved_state.items()})
+    fresh["has_after"] = mo.has_state(model_param)
     back = mo.state(model_param)  # collective: the full, unsharded state again
     shard.grad = _grads()[2].reshape(-1)[lo:hi].clone()
     d.optimizer.step()
-    return {"state": {k: v.clone() for k, v in back.items()}, "slice": (lo, hi), "after": shard.detach().clone()}
+    return {"state": {k: v.clone() for k, v in back.items()}, "slice": (lo, hi), "after": shard.detach().clone(),
+            "fresh": fresh}
 
 
 def test_resumed_distributed_optimizer_continues_as_uninterrupted_adamw():
     saved_value, saved_state, third = _uninterrupted()
     results = run_ranks(_resume_on_rank, 2)
     for r in results:
+        assert r["fresh"] == {"has": False, "state": {}, "has_after": True}
         assert torch.equal(r["state"]["exp_avg"], saved_state["exp_avg"])
         assert torch.equal(r["state"]["exp_avg_sq"], saved_state["exp_avg_sq"])
         assert float(r["state"]["step"]) == float(saved_state["step"]) == 2.0

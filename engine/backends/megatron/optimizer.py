@@ -253,7 +253,13 @@ class MegatronOptimizer:
     def has_state(self, p) -> bool:
         """Collective-free: does the optimizer hold Adam state for ``p``'s (slice of) values."""
         opt, main = self._where[id(p)]
-        return bool(opt.optimizer.state.get(main)) if main is not None else bool(opt.optimizer.state)
+        return bool(opt.optimizer.state.get(main)) if main is not None else self._holds_state(opt)
+
+    @staticmethod
+    def _holds_state(opt) -> bool:
+        """Whether a DistributedOptimizer's Adam holds moments: its state is a defaultdict, which
+        reading a slice's state fills with empty entries, so a non-empty state proves nothing."""
+        return any(len(st) for st in opt.optimizer.state.values())
 
     def state(self, p) -> dict:
         opt, main = self._where[id(p)]
@@ -262,7 +268,7 @@ class MegatronOptimizer:
             if st and "step" not in st:                   # TE FusedAdam keeps step per group
                 st["step"] = self._step_of(opt)
             return st
-        if not opt.optimizer.state:
+        if not self._holds_state(opt):
             return {}
         st = self._dist_full(opt, p, self._DIST_KEYS)
         st["step"] = self._step_of(opt)
