@@ -27,7 +27,11 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
 
 
 def dist_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The process group's backends: NCCL for CUDA tensors and gloo for host tensors on a GPU.
+    The ranks agree on small host-side counts (micro-batches, token totals, which rows to skip)
+    with collectives on CPU tensors, which an NCCL-only group refuses ("No backend type
+    associated with device type cpu") at the first step of any multi-GPU run."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def fp8_unavailable_reason() -> str:

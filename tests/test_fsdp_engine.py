@@ -236,3 +236,18 @@ def _units_compared(rank, world):
             and (other == "none" or getattr(a["model"][k], "placements", None) == getattr(b["model"][k], "placements", None))
             for k in a["model"])
     return out
+
+
+def test_on_a_gpu_host_tensors_have_a_backend_too():
+    """The ranks agree on host-side counts (micro-batches, token totals, rows to skip) with
+    collectives on CPU tensors (engine/backends/base.py, fsdp/engine.py). An NCCL-only group
+    refuses those on every multi-GPU run, so on CUDA the group is NCCL for CUDA tensors and gloo
+    for host ones; on CPU, gloo."""
+    import torch
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from engine.device import dist_backend
+
+    assert BackendConfig(Backend(dist_backend(torch.device("cuda", 0)))).get_device_backend_map() == \
+        {"cpu": "gloo", "cuda": "nccl"}
+    assert dist_backend(torch.device("cpu")) == "gloo"
