@@ -110,16 +110,18 @@ def decode_graphed(decoder: StaticDecode, sample: Callable, logits: torch.Tensor
         tokens.index_put_((rows, at), t)
         logps.index_put_((rows, at), l)
         if not ignore_eos:
-            live.logical_and_(~torch.isin(t, stops))
+            live.logical_and_(~(t[:, None] == stops).any(-1))  # not isin: long stop lists make it sync
         fed.copy_(t)
         step.add_(1)
 
     runner, done, sizes = None, 1, buckets(b)
+    graphs = []  # every bucket's step, alive until the decode ends: its pool is reused by the next capture
     if not ignore_eos and not bool(live.any()):  # every row ended at its first token
         done = N
     while done < N:
         if runner is None:  # a new bucket's step: a capture runs one step first (its warm-up)
             runner = _Step(one_step, capture and done + 1 < N, pool)
+            graphs.append(runner)
             if runner.warmed:
                 done += 1
                 continue

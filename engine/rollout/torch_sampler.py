@@ -295,7 +295,10 @@ class TorchSampler(Sampler):
 
     def _lanes(self, owner: list[int]) -> list[torch.Tensor]:
         """Rows of each decode lane: whole prompt groups, as even as the groups allow."""
-        want = self.cfg.decode_lanes or (torch.get_num_threads() if torch.device(self.device).type == "cpu" else 1)
+        if getattr(self.cfg, "cuda_graphs", False) and torch.device(self.device).type == "cuda":
+            want = 1  # one CUDA-graph capture at a time in a process: lanes would capture together
+        else:
+            want = self.cfg.decode_lanes or (torch.get_num_threads() if torch.device(self.device).type == "cpu" else 1)
         groups: list[list[int]] = []
         for i, o in enumerate(owner):
             if not groups or owner[groups[-1][0]] != o:
@@ -385,7 +388,7 @@ class TorchSampler(Sampler):
         else:
             probs = logp.exp()  # softmax(scaled); the inverse transform needs no normalisation
             if self.cfg.ignore_eos:
-                probs[:, eos] = 0.0
+                probs = probs.index_fill(-1, eos, 0.0)  # not probs[:, eos] = 0: on CUDA that copies a host 0 (a sync) and breaks a graph capture
             tok = sample_inverse_cdf(probs, u)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
