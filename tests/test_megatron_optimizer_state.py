@@ -118,3 +118,43 @@ def test_expert_parameters_belong_to_the_expert_optimizer_of_the_chain():
     mo.params, mo.megatron = [dense, expert], SimpleNamespace(chained_optimizers=chain)
     mo._index()
     assert mo._where[id(dense)][0] is chain[0] and mo._where[id(expert)][0] is chain[1]
+
+
+def _one_rank_holds_nothing(rank: int, world: int):
+    """Rank 0's slice is the whole parameter, with Adam state after two steps; rank 1's slice of
+    the buffers holds no parameter (a small model or an expert optimizer over many data-parallel
+    ranks), so it has no Adam state of its own."""
+    import torch.distributed as dist
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    from engine.backends.megatron.optimizer import MegatronOptimizer
+
+    saved_value, saved_state, _ = _uninterrupted()
+    model_param = torch.nn.Parameter(saved_value.clone())
+    shard = torch.nn.Parameter(saved_value.reshape(-1).clone())
+    d = object.__new__(DistributedOptimizer)
+    d.optimizer = torch.optim.AdamW([shard], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    d.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    d.model_param_group_index_map = {model_param: (0, 0)} if rank == 0 else {}
+    d._get_model_param_range_map = lambda p: {"param": Range(0, model_param.numel())}
+    d.data_parallel_group = dist.group.WORLD
+    d.buffers = [SimpleNamespace(param_index_map={model_param: (0, model_param.numel(), 0)})]
+    if rank == 0:
+        d.optimizer.state[shard] = {k: v.reshape(-1).clone() if v.dim() else v.clone() for k, v in saved_state.items()}
+    mo = object.__new__(MegatronOptimizer)
+    mo.params, mo.megatron = [model_param], SimpleNamespace(chained_optimizers=[d])
+    mo._index()
+    return {k: v.clone() for k, v in mo.state(model_param).items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_state_joins_the_others_reading_it():
+    """Each rank used to decide alone whether its optimizer held state: the rank without any
+    returned nothing and skipped the all-reduces rank 0 then waited in (a hang at the first
+    checkpoint, or a collective mismatch). Now every rank gets the full state and rank 0's step."""
+    _, saved_state, _ = _uninterrupted()
+    for got in run_ranks(_one_rank_holds_nothing, 2):
+        assert set(got) == {"exp_avg", "exp_avg_sq", "step"}
+        assert torch.equal(got["exp_avg"], saved_state["exp_avg"])
+        assert torch.equal(got["exp_avg_sq"], saved_state["exp_avg_sq"])
+        assert float(got["step"]) == 2.0

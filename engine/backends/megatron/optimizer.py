@@ -268,11 +268,20 @@ class MegatronOptimizer:
             if st and "step" not in st:                   # TE FusedAdam keeps step per group
                 st["step"] = self._step_of(opt)
             return st
-        if not self._holds_state(opt):
+        holds, step = self._agreed_state(opt, p.device)
+        if not holds:
             return {}
         st = self._dist_full(opt, p, self._DIST_KEYS)
-        st["step"] = self._step_of(opt)
+        st["step"] = step
         return st
+
+    def _agreed_state(self, opt, device) -> tuple[bool, torch.Tensor]:
+        """Whether any data-parallel rank of ``opt`` holds Adam state, and its step count, agreed by
+        all of them: a rank whose slice of the buffers holds no parameter has neither, and deciding
+        alone it would skip the all-reduces the other ranks then wait in (a hang), or save step 0."""
+        flags = torch.tensor([float(self._holds_state(opt)), float(self._step_of(opt))], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=opt.data_parallel_group)  # on the params' device, as _dist_full
+        return bool(flags[0] > 0), flags[1].cpu().clone()
 
     def set_state(self, p, values: dict) -> None:
         opt, main = self._where[id(p)]
