@@ -35,7 +35,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
-         "one_step_off_snis": ["trainer.mode=one_step_off", "algorithm.off_policy_ratio=snis"],
          "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
          "sync_stream": ["trainer.mode=sync", "trainer.stream_groups=true"]}
 SLOW_REWARD = """import time

@@ -48,7 +48,6 @@ class SequenceBatch:
     returns: Optional[torch.Tensor] = None     # PPO: GAE value targets
     routed_experts: Optional[torch.Tensor] = None  # MoE routing replay: [B, T, L, k] int16
     versions_behind: Optional[torch.Tensor] = None  # [B, T] float: policy versions between each row's sampling weights and the trained ones (trainer.mode samples ahead)
-    response_weights: Optional[torch.Tensor] = None  # [B, T] float: each response's importance weight on its tokens (algorithm.off_policy_ratio=snis)
     extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

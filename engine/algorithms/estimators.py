@@ -121,7 +121,7 @@ class Advantages:
 
 def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_size: int,
                        kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                       max_len: int = 0, weights: torch.Tensor | None = None) -> Advantages:
+                       max_len: int = 0) -> Advantages:
     """The advantage step for ``cfg.name`` (an AlgorithmConfig).
 
     With ``cfg.overlong_buffer_len`` the rewards first get DAPO's soft overlong penalty
@@ -130,15 +130,10 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     ``kl`` [B, T]: per-token KL(policy || reference) on the sampled tokens, when a reference
     exists; it enters the *reward* (REINFORCE++, PPO, and any estimator with
     use_kl_loss=false), never both reward and loss. ``values`` [B, T]: the critic's (PPO).
-    ``weights`` [B]: each response's self-normalised importance weight within its group
-    (algorithm.off_policy_ratio=snis: engine/algorithms/snis.py); the group estimators (grpo, dapo,
-    dr_grpo) then take the weighted mean and std. The config refuses them with other estimators.
     """
     name = cfg.name
     kl_in_reward = kl is not None and cfg.kl_coef > 0 and not cfg.use_kl_loss
     metrics: dict = {}
-    if weights is not None and name not in ("grpo", "dapo", "dr_grpo"):
-        raise ValueError(f"importance weights per group are for grpo, dapo and dr_grpo, not {name!r}")
     if cfg.overlong_buffer_len:
         pen = overlong_penalty(mask.sum(-1), max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
         rewards = rewards.float() + pen
@@ -164,9 +159,9 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     if name == "rloo":
         seq = rloo_advantages(rewards, group_size)
     elif name in ("grpo", "dapo"):
-        seq = grpo_advantages(rewards, group_size, cfg.norm_adv_by_std, weights=weights)
+        seq = grpo_advantages(rewards, group_size, cfg.norm_adv_by_std)
     elif name == "dr_grpo":
-        seq = grpo_advantages(rewards, group_size, False, weights=weights)
+        seq = grpo_advantages(rewards, group_size, False)
     else:
         raise ValueError(f"unknown algorithm.name {name!r}")
     adv = token_advantages(seq, mask)

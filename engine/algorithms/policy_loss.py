@@ -47,22 +47,6 @@ def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch
     return loss, (clipped > unclipped).float()
 
 
-def snis_token_loss(log_p: torch.Tensor, rollout_log_p: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor,
-                    clip_low: float, clip_high: float,
-                    versions_behind: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token -w A pi_theta / sg(pi_theta) (the gradient w A grad log pi_theta) for a response of
-    importance weight ``w`` (engine/algorithms/snis.py), and the tokens PPO's trust region holds back:
-    a token whose ratio to the sampler, pi_theta / pi_rollout, is already past the clip bounds in its
-    advantage's direction gets no gradient, as PPO-clip gives it none (the bounds compound per
-    version of ``versions_behind`` as in ppo_clip_token_loss)."""
-    ratio = torch.exp(log_p.detach() - rollout_log_p)
-    span = 1.0 if versions_behind is None else versions_behind.to(ratio.dtype) + 1.0
-    lo, hi = (1.0 - clip_low) ** span, (1.0 + clip_high) ** span
-    held = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
-    loss = -adv * weight * torch.exp(log_p - log_p.detach()) * (~held).to(log_p.dtype)
-    return loss, held.float()
-
-
 def rollout_is_weight(old_log_p: torch.Tensor, rollout_log_p: torch.Tensor, mask: torch.Tensor, level: str,
                       cap: float) -> torch.Tensor:
     """The truncated importance weight min(pi_old / pi_rollout, cap) per token (``level='token'``),
@@ -117,7 +101,6 @@ class OffPolicy:
 
     is_level: str = "off"         # truncated importance weight pi_old / pi_rollout: off, token, sequence
     behavior_ratio: bool = False  # PPO's ratio and clip against the sampler's log-probs
-    snis: bool = False            # importance-weighted responses, trust region against the sampler (off_policy_ratio=snis)
     report: bool = False          # report pi_theta / pi_rollout's mean, spread and range (rollouts sampled ahead)
 
 
@@ -153,14 +136,9 @@ class PolicyLoss:
             pg, clipped = terms.loss, terms.clipped
             extra = sequence_ratio_metrics(terms, mask, n_seqs)
         else:
-            per_version = (off.behavior_ratio or off.snis) and roll is not None and c.behavior_clip == "per_version"
-            behind = mb.versions_behind if per_version else None
-            if off.snis and roll is not None and mb.response_weights is not None:
-                pg, clipped = snis_token_loss(log_p, roll, mb.advantages, mb.response_weights, c.clip_ratio_low,
-                                              c.clip_ratio_high, behind)
-            else:
-                pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high,
-                                                  behind)
+            behind = (mb.versions_behind if off.behavior_ratio and roll is not None and c.behavior_clip == "per_version"
+                      else None)
+            pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high, behind)
             extra = {}
         if roll is not None and (off.report or off.is_level != "off"):  # the trained policy against the sampler's
             with torch.no_grad():

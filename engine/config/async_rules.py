@@ -24,27 +24,6 @@ def check_rollout_ahead(cfg: RunConfig) -> None:
             f"nothing under `{mode}`: PPO's ratio is then already against the sampler's log-probs, so the weight "
             f"pi_old / pi_rollout is 1. Set algorithm.off_policy_ratio=proximal for decoupled PPO with the truncated "
             f"weight, or drop algorithm.rollout_is.", title="invalid config")
-    if a.off_policy_ratio == "snis" and versions_ahead(cfg):
-        check_snis(cfg, mode)
-
-
-def check_snis(cfg: RunConfig, mode: str) -> None:
-    """off_policy_ratio=snis weights each prompt group's responses (engine/algorithms/snis.py): it needs
-    a group baseline to reweight and a per-token PPO loss to hold back."""
-    a = cfg.algorithm
-    why = None
-    if a.name not in ("grpo", "dapo", "dr_grpo"):
-        why = (f"it reweights each prompt group's baseline and std, and `algorithm.name={a.name}` has no group "
-               f"baseline. Use algorithm.name=grpo, dapo or dr_grpo, or algorithm.off_policy_ratio=behavior")
-    elif a.loss != "ppo_clip":
-        why = (f"`algorithm.loss={a.loss}` has its own sequence ratio and clip. Use algorithm.loss=ppo_clip, or "
-               f"algorithm.off_policy_ratio=behavior")
-    elif a.rollout_is in ("token", "sequence"):
-        why = (f"its sequence weights already correct for the weights that sampled, so "
-               f"`algorithm.rollout_is={a.rollout_is}` would correct twice. Drop algorithm.rollout_is")
-    if why:
-        raise ConfigError(f"`algorithm.off_policy_ratio=snis` with `{mode}` cannot be used here: {why}.",
-                          title="invalid config")
 
 
 def check_stream_groups(cfg: RunConfig) -> None:

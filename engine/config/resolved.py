@@ -36,11 +36,10 @@ def versions_ahead(cfg: RunConfig) -> int:
 
 
 def rollout_is_level(cfg: RunConfig) -> str:
-    """algorithm.rollout_is with ``auto`` resolved: token when rollouts run ahead with
-    off_policy_ratio=proximal, else off."""
+    """algorithm.rollout_is with ``auto`` resolved: token when rollouts run ahead, else off."""
     level = cfg.algorithm.rollout_is
     if level == "auto":
-        return "token" if versions_ahead(cfg) and cfg.algorithm.off_policy_ratio == "proximal" else "off"
+        return "token" if versions_ahead(cfg) and not behavior_ratio(cfg) else "off"
     return level
 
 
@@ -48,12 +47,6 @@ def behavior_ratio(cfg: RunConfig) -> bool:
     """PPO's ratio is against the sampler's log-probs (algorithm.off_policy_ratio=behavior, with
     samples that may be stale); else against the trainer's at the update."""
     return cfg.algorithm.off_policy_ratio == "behavior" and versions_ahead(cfg) > 0
-
-
-def snis_weights(cfg: RunConfig) -> bool:
-    """Stale samples are weighted by their self-normalised sequence ratio per prompt group
-    (algorithm.off_policy_ratio=snis, with samples that may be stale: engine/algorithms/snis.py)."""
-    return cfg.algorithm.off_policy_ratio == "snis" and versions_ahead(cfg) > 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +61,6 @@ class ResolvedRun:
     versions_ahead: int = 0   # trainer.mode: policy versions rollouts may run ahead (0 = sync)
     rollout_is: str = "off"   # algorithm.rollout_is resolved (off, token, sequence)
     behavior_ratio: bool = False  # PPO's ratio against the sampler's log-probs (algorithm.off_policy_ratio)
-    snis: bool = False            # stale responses importance-weighted per group (algorithm.off_policy_ratio=snis)
 
 
 def resolve_run(cfg: RunConfig) -> ResolvedRun:
@@ -77,4 +69,4 @@ def resolve_run(cfg: RunConfig) -> ResolvedRun:
     return ResolvedRun(config=cfg, model_parallel=mp, data_parallel=max(1, cfg.trainer.nprocs // mp),
                        mini_batch_prompts=mini_batch_prompts(cfg), updates_per_step=updates_per_step(cfg),
                        versions_ahead=versions_ahead(cfg), rollout_is=rollout_is_level(cfg),
-                       behavior_ratio=behavior_ratio(cfg), snis=snis_weights(cfg))
+                       behavior_ratio=behavior_ratio(cfg))

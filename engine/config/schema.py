@@ -261,13 +261,9 @@ class AlgorithmConfig:
                                            "log-probs (the clip bounds the policy's move from the weights that "
                                            "sampled; no separate weight); proximal = the trainer's "
                                            "weights at the update, with the rollout importance weight correcting for "
-                                           "the sampling weights (decoupled PPO, as verl's rollout_is); snis = "
-                                           "behavior's trust region, and each prompt group's responses weighted by "
-                                           "their self-normalised sequence ratio pi_trained / pi_sampler, which also "
-                                           "gives the group's baseline and std (grpo, dapo, dr_grpo; one more "
-                                           "log-prob pass a step; docs/async.md)",
-                               choices=["behavior", "proximal", "snis"])
-    behavior_clip: str = _f("per_version", "off_policy_ratio=behavior or snis: the clip bounds of a sample s policy "
+                                           "the sampling weights (decoupled PPO, as verl's rollout_is)",
+                               choices=["behavior", "proximal"])
+    behavior_clip: str = _f("per_version", "off_policy_ratio=behavior: the clip bounds of a sample s policy "
                                            "versions behind the trained weights; per_version = (1 - clip_ratio_low)^(s+1) "
                                            ".. (1 + clip_ratio_high)^(s+1) (each update since the sampling weights "
                                            "may move the policy by PPO's clip, as the trained one will); fixed = "

@@ -22,7 +22,7 @@ from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record, versions_behind
-from engine.config.resolved import mini_batch_prompts, snis_weights, updates_per_step, versions_ahead
+from engine.config.resolved import mini_batch_prompts, updates_per_step, versions_ahead
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
@@ -270,26 +270,19 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     ppo = cfg.algorithm.name == "ppo"
     if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
         batch.values = workers.values(batch)
-    weights = None
-    if ahead is not None and snis_weights(cfg):  # stale responses weighted within their group
-        weights = stale_group_weights(workers, batch, ro.versions, step, n)
     timing["log_probs"] = time.perf_counter() - t
     from engine.algorithms.estimators import compute_advantages
 
     est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok, values=batch.values,
-                             max_len=cfg.rollout.max_new_tokens, weights=weights)
+                             max_len=cfg.rollout.max_new_tokens)
     batch.advantages, batch.returns = est.advantages, est.returns
     kl_reward = est.metrics.get("kl_reward") if kl_tok is not None and not cfg.algorithm.use_kl_loss else None
 
     # 4. old log-probs
     t = time.perf_counter()
     mini, n_updates = mini_batch_prompts(cfg), updates_per_step(cfg)
-    if n_updates > 1 and batch.old_log_probs is None:  # with one update per step, old == current policy exactly
+    if n_updates > 1:  # with one update per step, old == current policy exactly
         batch.old_log_probs = workers.log_probs(batch, ref=False)
-    if weights is not None:
-        from engine.algorithms.snis import effective_sample_size, loss_weights
-
-        batch.response_weights = loss_weights(weights, batch.response_mask, mini * n, cfg.algorithm.loss_agg_mode)
     routing = {}
     if cfg.algorithm.router_replay != "off":  # MoE: rollout-vs-trainer routing and log-prob gap
         from engine.moe.routing_metrics import RoutingSums, summarize
@@ -332,9 +325,6 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         per_update["kl"] = kl_reward
     resp_tokens = float(batch.response_mask.sum())
     algo = {k: v for k, v in est.metrics.items() if k != "kl_reward"}
-    if weights is not None:  # how far the importance weights moved each group from equal counts
-        algo["snis_ess"] = float(effective_sample_size(weights, n).mean())
-        algo["snis_weight_max"] = float(weights.max())
     algo.update({k: v for k, v in per_update.items() if k.startswith("value_") and k != "value_nonfinite_updates"})
     algo.update({k: v for k, v in per_update.items() if k.startswith("seq_")})  # GSPO's sequence ratio
     algo.update(rollout_ratio_metrics(per_update))  # the trainer's policy against the sampler's
@@ -378,22 +368,6 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["ends"]),
         samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples,
         staleness=staleness_record(ro.versions, step) if ahead is not None else {})
-
-
-def stale_group_weights(workers, batch, versions: list[int], step: int, n: int):
-    """algorithm.off_policy_ratio=snis: each response's self-normalised importance weight in its
-    prompt group (engine/algorithms/snis.py), from the trained weights' log-probs (one log-prob pass
-    on the ranks, kept as the batch's old log-probs) against the sampler's. A batch sampled by the
-    trained weights themselves (step 1) needs no pass: every weight is 1."""
-    import torch
-
-    from engine.algorithms.snis import group_weights
-
-    stale = torch.tensor([v < step - 1 for v in versions])
-    if not bool(stale.any()):
-        return torch.ones(len(batch))
-    batch.old_log_probs = workers.log_probs(batch, ref=False)
-    return group_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, stale, n)
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,

@@ -264,7 +264,7 @@ class RankWorker:
             adapt_threads(self._max_threads)
         with self.tracker.phase("update", self.step):
             stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size, OffPolicy(
-                self.run.rollout_is, self.run.behavior_ratio, self.run.versions_ahead > 0, self.run.snis)))
+                self.run.rollout_is, self.run.behavior_ratio, self.run.versions_ahead > 0)))
         self._weights_stale = not self.sampler.reads_live_model
         return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
                 "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
