@@ -47,8 +47,9 @@ class FSDPCritic(Critic):
         model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
         del lm
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype), reduce_dtype=torch.float32)
-        model.to(engine.device)
-        if engine.units != "none":  # the policy's layout (engine/backends/fsdp/units.py fsdp_units)
+        if engine.units == "none":
+            model.to(engine.device)
+        else:  # the policy's layout (engine/backends/fsdp/units.py fsdp_units); fully_shard moves each unit to the device
             for layer in decoder_blocks(model.backbone) if engine.units == "layer" else []:
                 fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
             fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)

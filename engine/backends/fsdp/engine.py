@@ -75,9 +75,11 @@ class FSDPEngine(TrainEngine):
         self.units = fsdp_units(c.engine, self.world_size, self.device, c.model.dtype)
         check_fsdp_units(self.units, self.world_size, c.model.dtype)
         for m in [model] + ([ref] if ref is not None else []):
-            m.to(self.device)
             if self.units == "none":
+                m.to(self.device)
                 continue
+            # no m.to(device) first: fully_shard moves each unit's parameters to the mesh's device as
+            # it shards them, so a GPU holds one whole block at a time, not the whole fp32 model
             for layer in decoder_blocks(m) if self.units == "layer" else []:
                 fully_shard(layer, mesh=self.mesh, mp_policy=mp,
                             reshard_after_forward=c.engine.reshard_after_forward)
