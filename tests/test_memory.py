@@ -265,6 +265,27 @@ def test_keyed_saved_tensor_measurement_is_reused_without_hooks():
     assert recs[1].categories["activations"] == first and recs[2].categories["activations"] == m3.bytes
 
 
+def test_the_meter_lets_go_of_what_it_counted_when_its_block_ends():
+    """The meter holds each counted tensor while its block runs (so no address is reused and
+    counted twice) and not after: held on, every activation it counted stayed alive through backward
+    after autograd had used it (the engines keep the meter with activation offload)."""
+    import gc
+    import weakref
+
+    w = torch.randn(64, 64, requires_grad=True)
+    tracker = MemoryTracker("cpu")
+    with tracker.phase("update"):
+        with tracker.saved_tensors("activations") as m:
+            h = torch.tanh(torch.randn(32, 64) @ w)
+            loss = h.sum()
+        ref = weakref.ref(h)
+        del h
+        loss.backward()  # autograd used tanh's saved output and let it go
+        del loss
+    gc.collect()
+    assert m.bytes > 0 and ref() is None, "the meter still held a tensor backward had finished with"
+
+
 # ---- offload bookkeeping ------------------------------------------------------------------
 def _storage_nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()

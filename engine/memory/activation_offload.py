@@ -16,6 +16,10 @@ waits for the matching prefetch, or copies back on the spot. When a module's bac
 are copied back on the side stream, so the next module's backward finds them ready; events
 make sure compute never reads a copy in flight and the caching allocator never reuses a
 source that is still being copied (``record_stream``).
+A tensor several ops save (a layer's normed input, read by the q, k and v projections, or by the
+gate and up projections) is copied once and restored once. The offloader lets go of a restored
+copy when its last reader unpacks it: autograd then frees it when that node has run, so backward
+holds the restored activations of the modules it is in, not of every module it has passed.
 
 What is not offloaded: parameters (and views of them: matmuls save weights, which offload
 would only duplicate); tensors saved outside matching modules; tensors saved while backward
@@ -37,6 +41,7 @@ bit-identical with and without offload (tests/test_activation_offload.py).
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -112,16 +117,25 @@ class _HostPool:
 
 
 class _Saved:
-    """One offloaded tensor: its host copy, how to rebuild it, and its prefetched device copy."""
+    """One offloaded tensor: its host copy, how to rebuild it, its prefetched device copy, and how
+    many saved-tensor slots still read it (the same tensor saved by several ops is copied once)."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "requires_grad", "copied", "prefetched", "ready")
+    __slots__ = ("host", "shape", "dtype", "device", "requires_grad", "copied", "prefetched", "ready", "readers")
 
     def __init__(self, host, t: torch.Tensor, copied):
         self.host, self.shape, self.dtype, self.device = host, t.shape, t.dtype, t.device
         self.requires_grad = t.requires_grad
         self.copied = copied          # CUDA event: host copy finished (None on CPU)
-        self.prefetched = None        # device tensor, once fetched
+        self.prefetched = None        # device tensor, once fetched, until its last reader takes it
         self.ready = None             # CUDA event: prefetch finished
+        self.readers = 1              # packs of this tensor not yet unpacked
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two packed tensors the same values: storage, offset, shape, strides, dtype and
+    version (an in-place write bumps it)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            t._version)
 
 
 class ActivationOffloader:
@@ -140,6 +154,7 @@ class ActivationOffloader:
         self._saved: dict[int, list[_Saved]] = {}  # module id -> its offloaded tensors
         self._active: list = []                   # saved_tensors_hooks contexts entered by pre-hooks
         self._current: list[int] = []
+        self._copies: dict[tuple, tuple] = {}     # _identity -> (weakref to the tensor, its _Saved or None: kept)
         self.modules = matching_modules(model, self.patterns)
 
     # ---- hooks --------------------------------------------------------------------------
@@ -181,11 +196,21 @@ class ActivationOffloader:
     def _pack(self, t: torch.Tensor):
         if _is_param(t) or _in_backward() or not self._current or t.layout != torch.strided:
             return t
+        if t.device.type != self.device.type or type(t) is not torch.Tensor:
+            return t  # a host scalar or index some op saved, or a tensor subclass: not ours to move
+        key = _identity(t)
+        seen = self._copies.get(key)
+        if seen is not None and seen[0]() is t:  # q, k and v projections save one input: one copy
+            if seen[1] is None:                  # kept on the device, and counted, already
+                return t
+            seen[1].readers += 1
+            return seen[1]
         nbytes = t.numel() * t.element_size()
         host = self.pool.take(t.dtype, t.numel())
         if host is None:                     # over the host limit: stays on the device, counted
             self.stats.kept_bytes += nbytes
             self.stats.tensors_kept += 1
+            self._copies[key] = (weakref.ref(t), None)
             if self.meter is not None:
                 self.meter.add(t)
             return t
@@ -201,6 +226,7 @@ class ActivationOffloader:
         else:
             host.copy_(t)
         saved = _Saved(host, t, copied)
+        self._copies[key] = (weakref.ref(t), saved)  # a dead ref: the address may hold another tensor now
         self._saved[self._current[-1]].append(saved)
         s = self.stats
         s.host_bytes += nbytes
@@ -225,10 +251,14 @@ class ActivationOffloader:
         if saved.prefetched is None:
             self.stats.fetched_on_demand += 1
             self._fetch(saved)
+        t = saved.prefetched
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(saved.ready)
-            saved.prefetched.record_stream(torch.cuda.current_stream(self.device))
-        return saved.prefetched
+            t.record_stream(torch.cuda.current_stream(self.device))
+        saved.readers -= 1
+        if saved.readers <= 0:  # the last reader has it: autograd frees it once the node has run
+            saved.prefetched = None
+        return t
 
     def _prefetch_previous(self, mod, _grad_output):
         """Backward reached ``mod``: bring back the saved tensors of the module before it."""
@@ -238,7 +268,7 @@ class ActivationOffloader:
         i = self._order.index(key)
         if i > 0:
             for saved in self._saved[self._order[i - 1]]:
-                if saved.prefetched is None:
+                if saved.prefetched is None and saved.readers > 0:
                     self._fetch(saved)
                     self.stats.prefetched += 1
         return None
@@ -252,6 +282,7 @@ class ActivationOffloader:
         self.pool.release_all()
         self._order.clear()
         self._saved.clear()
+        self._copies.clear()
         self.stats = OffloadStats(pool_bytes=self.pool.allocated, peak_host_bytes=done.peak_host_bytes,
                                   modules=done.modules)
         return done

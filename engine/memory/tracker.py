@@ -146,6 +146,12 @@ class SavedTensorsMeter:
             if isinstance(t, torch.Tensor):
                 self._count(t)
 
+    def close(self) -> None:
+        """The block is over: let go of the counted tensors (held only so that no address is
+        reused while it runs), which backward would otherwise find still alive after using them."""
+        self._alive.clear()
+        self._seen.clear()
+
 
 # ---- the tracker --------------------------------------------------------------------------
 class MemoryTracker:
@@ -302,6 +308,7 @@ class MemoryTracker:
         meter = SavedTensorsMeter(self._param_storage_keys())
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             yield meter
+        meter.close()
         self._bump(category, meter.bytes)
         if key is not None:
             self._saved_by_key[(category, key)] = meter.bytes

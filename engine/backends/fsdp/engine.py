@@ -255,6 +255,8 @@ class FSDPEngine(TrainEngine):
                 self.activation_offload.meter = meter
             logits = (grouped_logits(self.model, groups, self.device) if groups is not None
                       else self._forward_logits(self.model, mb.batch))
+        if self.activation_offload is not None:
+            self.activation_offload.meter = None  # counted; backward must not find the meter holding tensors
         lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
         lp_fn = response_log_probs if groups is not None else token_log_probs
         ids = lp_batch.input_ids.to(self.device)

@@ -345,6 +345,8 @@ class MegatronEngine(TrainEngine):
             if self.activation_offload is not None:  # what stays on the device is counted there
                 self.activation_offload.meter = meter
             logits = self._forward_logits(self.model, mb.batch)
+        if self.activation_offload is not None:
+            self.activation_offload.meter = None  # counted; backward must not find the meter holding tensors
         if self.tracker is not None:
             self.tracker.record_tensors("logits", logits)
         lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
