@@ -284,6 +284,10 @@ def offload_params(module, *, simulate_on_cpu: bool = False, clear_fp8: bool = T
         return combine_reports(*(offload_params(m, simulate_on_cpu=simulate_on_cpu, clear_fp8=clear_fp8)
                                  for m in module))
     n_ws, ws_bytes = clear_fp8_workspaces(module) if clear_fp8 else (0, 0)
+    # reshard first: a forward without backward (reshard_after_forward=False) leaves FSDP2 units
+    # unsharded, their unsharded parameters registered, which resharding frees: the sharded ones
+    # are what must move
+    _reshard_fsdp(module)
     params = list(_param_tensors(module))
     on_device = any(t.device.type not in ("cpu", "meta") for p in params for t in tensors_in(p))
     fp8_note = f"; FP8 workspaces cleared: {n_ws} ({_fmt(ws_bytes)})" if n_ws else ""
@@ -291,7 +295,6 @@ def offload_params(module, *, simulate_on_cpu: bool = False, clear_fp8: bool = T
         return OffloadReport(fp8_workspaces_cleared=n_ws, fp8_workspace_bytes_freed=ws_bytes,
                              note=CPU_NOOP_NOTE + fp8_note)
     state = _state_for(module, "params")
-    _reshard_fsdp(module)
     grad_bytes = _release_grads(module, state, include_cpu=simulate_on_cpu)
     storages = _distinct_storages((t for p in params for t in tensors_in(p)), include_cpu=simulate_on_cpu)
     moved, reused, devices = _move_out(state, storages)

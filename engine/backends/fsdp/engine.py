@@ -315,8 +315,10 @@ class FSDPEngine(TrainEngine):
 
     # ---- memory -------------------------------------------------------------------------
     def _offloaded_models(self) -> list:
-        """What param_offload moves: the policy and the critic (algorithm=ppo)."""
-        return [self.model] + ([self.critic.model] if self.critic is not None else [])
+        """What param_offload moves: the policy, the reference (algorithm.kl_coef > 0) and the
+        critic (algorithm=ppo), as the megatron engine and the memory estimate do."""
+        return ([self.model] + ([self.ref_model] if self.ref_model is not None else [])
+                + ([self.critic.model] if self.critic is not None else []))
 
     def _offloaded_optimizers(self) -> list:
         return [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
