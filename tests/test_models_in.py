@@ -285,3 +285,23 @@ def test_every_from_pretrained_in_engine_refuses_remote_code():
                 if not ok and owner != "GenerationConfig":
                     bad.append(f"{f.relative_to(REPO)}:{node.lineno} {owner}.from_pretrained")
     assert not bad, bad
+
+
+def test_a_bf16_checkpoint_read_straight_into_fp32_masters_equals_upcasting_it(tmp_path):
+    """The FSDP engine keeps fp32 masters: it reads a bf16 checkpoint straight into fp32
+    (``load_dtype``) rather than holding the bf16 model and its fp32 copy at once on every rank.
+    Upcasting is exact, so the weights must equal loading bf16 and calling .float()."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config.schema import ModelConfig
+    from engine.model.build import build_hf_model
+
+    src = save_tiny_model("llama", tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    cfg = ModelConfig(dtype="bfloat16")
+    direct = build_hf_model(cfg, str(tmp_path / "bf16"), 0, 0, load_dtype=torch.float32)
+    upcast = build_hf_model(cfg, str(tmp_path / "bf16"), 0, 0).float()
+    a, b = direct.state_dict(), upcast.state_dict()
+    assert a.keys() == b.keys() and all(a[k].dtype == torch.float32 for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert next(build_hf_model(cfg, str(tmp_path / "bf16"), 0, 0).parameters()).dtype == torch.bfloat16

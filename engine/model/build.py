@@ -28,12 +28,16 @@ def tiny_hf_config(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0, eos
 
 
 def build_hf_model(cfg: ModelConfig, path: str, vocab_size: int, seed: int,
-                   pad_token_id: int = 0, eos_token_id: int = 1) -> torch.nn.Module:
-    """The policy on CPU in cfg.dtype. ``path`` empty -> tiny random init seeded by ``seed``."""
+                   pad_token_id: int = 0, eos_token_id: int = 1, load_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The policy on CPU in cfg.dtype. ``path`` empty -> tiny random init seeded by ``seed``.
+    ``load_dtype``: read a checkpoint's weights straight into this dtype instead (the FSDP engine's
+    fp32 masters: the same values as loading cfg.dtype and upcasting, without holding both copies
+    on the host at once). A random init is always made in cfg.dtype (its values depend on it)."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
     if path:
+        dtype = load_dtype or dtype
         from engine.model.source import HF_LOAD_KWARGS
 
         import pickle

@@ -43,7 +43,7 @@ class FSDPCritic(Critic):
         c = cfg.critic
 
         lm = build_hf_model(cfg.model, critic_model_dir(c.model_path, engine.model_path), engine.vocab_size,
-                            cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id).float()
+                            cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id, load_dtype=torch.float32).float()
         model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
         del lm
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype), reduce_dtype=torch.float32)

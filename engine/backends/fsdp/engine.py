@@ -50,7 +50,7 @@ class FSDPEngine(TrainEngine):
 
         c = self.cfg
         model = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
-                               self.pad_token_id, self.eos_token_id)
+                               self.pad_token_id, self.eos_token_id, load_dtype=torch.float32)
         if c.model.dtype != "float32":  # keep fp32 masters; compute in the low precision
             model = model.float()
         if c.engine.gradient_checkpointing:
