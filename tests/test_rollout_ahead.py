@@ -156,6 +156,28 @@ def test_modes_resolve(mode, staleness, ahead, level):
     assert rollout_is_level(cfg) == ("token" if ahead else "off")
 
 
+def test_a_rollout_worker_without_a_gpu_of_its_own_is_pinned_to_the_first_ranks_gpu():
+    """On GPUs the worker gets a GPU of its own only if one is free once the ranks hold theirs (Ray's
+    available GPUs, not its total: a GPU another job holds would be waited for until the start times
+    out). Sharing, it is pinned to rank 0's node and sees only the GPU Ray assigned rank 0: an actor
+    asking for no GPU is scheduled on any node (the driver's first) and sees all of that node's GPUs."""
+    from types import SimpleNamespace
+
+    from engine.trainer.rollout_ahead import rollout_worker_gpus, shared_gpu_placement
+
+    ranks = SimpleNamespace(info=[{"device": "cuda:0"}, {"device": "cuda:0"}],
+                            placement=[{"node_id": "a" * 56, "gpu_ids": ["3"]}, {"node_id": "b" * 56, "gpu_ids": ["5"]}])
+    assert rollout_worker_gpus(ranks, free_gpus=1.0) == 1
+    assert rollout_worker_gpus(ranks, free_gpus=0.0) == 0, "all GPUs held: share, do not wait for one"
+    assert rollout_worker_gpus(SimpleNamespace(info=[{"device": "cpu"}], placement=[]), free_gpus=4.0) == 0
+    env = {"OMP_NUM_THREADS": "1"}
+    opts = shared_gpu_placement(ranks, env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    assert opts["runtime_env"]["env_vars"] is env
+    strategy = opts["scheduling_strategy"]
+    assert strategy.node_id == "a" * 56 and strategy.soft is False
+
+
 def test_router_replay_ahead_is_refused():
     r = rl("train", "trainer.mode=one_step_off", "algorithm.router_replay=record", "checkpoint.dir=/nonexistent/x")
     assert r.returncode == 2, r.stdout + r.stderr

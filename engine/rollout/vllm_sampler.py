@@ -208,6 +208,7 @@ class VLLMSampler(Sampler):
             kw.update(enforce_eager=True, kv_cache_memory_bytes=cpu_kv_cache_bytes(
                 hf_config, self.dtype, self.max_model_len, rows))
         self.ipc.open()
+        self._release_cached_memory()  # vLLM sizes itself from the device's free memory at start
         return LLM(**kw)
 
     def shutdown(self) -> None:

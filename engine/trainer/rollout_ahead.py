@@ -75,11 +75,31 @@ class Draw:
         return self
 
 
-def rollout_worker_gpus(workers: WorkerGroup, cluster_gpus: float) -> int:
-    """A GPU of its own for the rollout worker when the ranks run on GPUs and the cluster has one to
-    spare; else 0 (on GPUs: it shares the first rank's device, as a colocated sampler does)."""
+def rollout_worker_gpus(workers: WorkerGroup, free_gpus: float) -> int:
+    """A GPU of its own for the rollout worker when the ranks run on GPUs and the cluster has one
+    free once the ranks hold theirs (``free_gpus``: Ray's available GPUs, not its total, so a GPU
+    another job or actor holds is not waited for); else 0 (on GPUs: it shares the first rank's
+    device, as a colocated sampler does: ``shared_gpu_placement``)."""
     on_gpu = bool(workers.info) and workers.info[0]["device"].startswith("cuda")
-    return 1 if on_gpu and cluster_gpus >= len(workers.info) + 1 else 0
+    return 1 if on_gpu and free_gpus >= 1 else 0
+
+
+def shared_gpu_placement(workers: WorkerGroup, env: dict) -> dict:
+    """Actor options that put a rollout worker with no GPU of its own on the first rank's node and
+    GPU. An actor asking for no GPU is scheduled anywhere (the driver's node first, which may have
+    no GPU) and sees every GPU of its node (Ray leaves CUDA_VISIBLE_DEVICES alone then), so cuda:0
+    would be whichever GPU is first there. Pinned to rank 0's node, with CUDA_VISIBLE_DEVICES set to
+    the GPU Ray assigned rank 0 (and Ray told not to rewrite it), its cuda:0 is that GPU."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    first = workers.placement[0] if workers.placement else {}
+    env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+    if first.get("gpu_ids"):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(first["gpu_ids"][:1])
+    options: dict = {"runtime_env": {"env_vars": env}}
+    if first.get("node_id"):
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(first["node_id"], soft=False)
+    return options
 
 
 def merge_turn_stats(calls: list[dict], seconds: float) -> dict:
@@ -114,17 +134,18 @@ class RolloutAhead:
         self.score_wait_s = 0.0
         self.sync_s = 0.0  # the last weight load's export + hand-over, on the driver's clock
         threads = max(1, usable_cpus() // (cfg.trainer.nprocs + 1))
-        gpus, env = rollout_worker_gpus(workers, ray.cluster_resources().get("GPU", 0)), rank_env(threads)
-        if gpus == 0 and workers.info and workers.info[0]["device"].startswith("cuda"):
-            # no GPU left for it: share the ranks' (Ray would hide every GPU from an actor asking for none)
-            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        gpus, env = rollout_worker_gpus(workers, ray.available_resources().get("GPU", 0)), rank_env(threads)
+        options = {"runtime_env": {"env_vars": env}}
+        self.shares_gpu = gpus == 0 and bool(workers.info) and workers.info[0]["device"].startswith("cuda")
+        if self.shares_gpu:
+            options = shared_gpu_placement(workers, env)  # no GPU left for it: the first rank's
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
-        self.actor = actor.options(runtime_env={"env_vars": env}).remote(resolve_run(cfg), threads)
+        self.actor = actor.options(**options).remote(resolve_run(cfg), threads)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, model_path: str, vocab: dict, version: int) -> None:
         """Build the worker's sampler from the ranks' current weights (policy ``version``)."""
-        weights = self.workers.export_weights()
+        weights = self.workers.export_weights(self.shares_gpu)
         device = "cuda" if self.workers.info[0]["device"].startswith("cuda") else "cpu"
         get(self.actor.setup.remote(model_path, vocab, weights, version, device), self.timeout,
             "the rollout worker to start")
@@ -222,7 +243,7 @@ class RolloutAhead:
         """After an update: the ranks' weights to the worker, behind what it was already asked
         (multi-turn: behind the episodes already asked for, each of whose turns use the older weights)."""
         t0 = time.perf_counter()
-        weights = self.workers.export_weights()
+        weights = self.workers.export_weights(self.shares_gpu)
         if self._calls is not None:
             self._calls.submit(self.actor.load_weights.remote, weights, version)
         else:

@@ -73,8 +73,9 @@ class RankWorker:
 
     # ---- setup --------------------------------------------------------------------------
     def placement(self) -> dict:
-        """Where Ray put this rank: node id and address, host name, pid, and how its OpenMP
-        threads wait (``omp_wait``: the spin count before sleeping, engine/threads.py)."""
+        """Where Ray put this rank: node id and address, host name, pid, the GPUs Ray assigned it
+        (``gpu_ids``, as CUDA_VISIBLE_DEVICES names them), and how its OpenMP threads wait
+        (``omp_wait``: the spin count before sleeping, engine/threads.py)."""
         import socket
 
         import ray
@@ -82,7 +83,8 @@ class RankWorker:
         from engine.trainer.rendezvous import node_address
 
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid(), "omp_wait": omp_wait_now()}
+                "hostname": socket.gethostname(), "pid": os.getpid(), "omp_wait": omp_wait_now(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def open_rendezvous(self) -> tuple[str, int]:
         """Rank 0: bind the process group's store socket on this node's address; (host, port)."""
@@ -239,11 +241,17 @@ class RankWorker:
         self._weights_stale = False
         return seconds
 
-    def export_weights(self, keep: bool) -> dict | None:
+    def export_weights(self, keep: bool, release_cache: bool = False) -> dict | None:
         """The policy's full weights with HF names (a collective on FSDP: every rank calls it);
-        only the rank that ``keep``s them returns them (the rollout worker's copy, trainer.mode)."""
+        only the rank that ``keep``s them returns them (the rollout worker's copy, trainer.mode).
+        ``release_cache``: a rollout worker shares this rank's GPU and claims memory next, so
+        hand back what torch keeps cached here (the update's and the export's freed blocks)."""
         with self.tracker.phase("weight_sync", self.step):
             state = self.engine.export_hf_state_dict()
+        if release_cache and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         return state if keep else None
 
     def log_probs(self, batch: SequenceBatch, ref: bool = False) -> torch.Tensor:

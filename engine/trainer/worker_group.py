@@ -295,10 +295,12 @@ class WorkerGroup:
                 yield leaders[r] + item[0] // n, item[1]
         stats.extend(per_rank[r] for r in range(len(self.actors)))
 
-    def export_weights(self):
+    def export_weights(self, release_cache: bool = False):
         """Rank 0's full policy weights (HF names) as a Ray object reference, every rank having
-        taken part in the gather; the driver never pulls them (the rollout worker does)."""
-        refs = [a.export_weights.remote(i == 0) for i, a in enumerate(self.actors)]
+        taken part in the gather; the driver never pulls them (the rollout worker does).
+        ``release_cache``: rank 0 then hands its cached device memory back (a rollout worker
+        shares its GPU)."""
+        refs = [a.export_weights.remote(i == 0, release_cache and i == 0) for i, a in enumerate(self.actors)]
         self._collect_done(refs, "the weight export")
         return refs[0]
 
