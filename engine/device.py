@@ -65,12 +65,17 @@ def compile_unavailable_reason(on_cuda: bool) -> str:
     return f"no C++ compiler on PATH (looked for {', '.join(names)}); install one, e.g. apt install g++"
 
 
-def check_device_config(cfg) -> None:
+def check_device_config(cfg, ranks_elsewhere: bool = False) -> None:
     """Refuse (ConfigError, exit 2) a config this machine cannot run: trainer.device=cuda without
     CUDA, engine.fp8 without Transformer-Engine on an sm >= 8.9 GPU. Kept out of engine.config
-    (which never imports torch) and run before anything starts."""
+    (which never imports torch) and run before anything starts.
+    ``ranks_elsewhere``: the run joins a Ray cluster on other machines, whose hardware is not this
+    driver's (a CPU-only head node driving GPU workers): the checks of this machine's CUDA, kernel
+    compilers and FP8 are left to the ranks, which fail on their own machines if they must."""
     from engine.errors import ConfigError
 
+    if ranks_elsewhere:
+        return
     if cfg.trainer.device == "cuda" and not cuda_available():
         raise ConfigError("`trainer.device=cuda` but no CUDA device is visible on this machine. "
                           "Use trainer.device=auto (or cpu).", title="invalid config value")

@@ -35,6 +35,25 @@ def test_resolve_address_rules():
     assert not RayTarget("10.231.0.1:6379", "x").loopback and not RayTarget("ray://h:10001", "x").loopback
 
 
+def test_a_driver_joining_other_machines_leaves_their_hardware_checks_to_them():
+    """A CPU-only head node drives GPU workers: the driver's own CUDA is not the ranks'. Local and
+    loopback clusters are this machine, checked here; a cluster elsewhere is checked by its ranks
+    (a rank without CUDA refuses trainer.device=cuda itself, naming its host)."""
+    from engine.config.schema import RunConfig
+    from engine.device import check_device_config
+    from engine.errors import ConfigError
+    from engine.trainer.ray_cluster import ranks_elsewhere
+
+    assert not ranks_elsewhere("", {}) and not ranks_elsewhere("127.0.0.1:6379", {})
+    assert not ranks_elsewhere("localhost:6379", {}) and not ranks_elsewhere("local", {"RAY_ADDRESS": "10.0.0.1:6379"})
+    assert ranks_elsewhere("10.0.0.1:6379", {}) and ranks_elsewhere("", {"RAY_ADDRESS": "ray://head:10001"})
+    cfg = RunConfig()
+    cfg.trainer.device = "cuda"  # this machine has no GPU
+    with pytest.raises(ConfigError, match="no CUDA device is visible on this machine"):
+        check_device_config(cfg)
+    check_device_config(cfg, ranks_elsewhere=True)
+
+
 def test_local_only_setting_is_set_for_local_runs_and_removed_for_cluster_drivers(monkeypatch):
     """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps a local Ray on loopback but makes `ray start
     --address` refuse to join: a joining driver must not carry it (nor an already-imported

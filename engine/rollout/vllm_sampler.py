@@ -73,16 +73,18 @@ def head_dim_of(hf_config) -> int:
     return int(hd) if hd else int(hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def check_vllm_config(run_cfg: RunConfig, head_dim: int, require_installed: bool = True) -> None:
+def check_vllm_config(run_cfg: RunConfig, head_dim: int, require_installed: bool = True,
+                      on_cpu: bool | None = None) -> None:
     """Raise ConfigError if ``rollout=vllm`` cannot run this job correctly; no-op otherwise.
 
     ``head_dim``: the policy's attention head size (``head_dim_of(hf_config)``; for the tiny
-    model ``model.hidden_size // model.num_attention_heads``).
+    model ``model.hidden_size // model.num_attention_heads``). ``on_cpu``: whether vLLM samples on
+    a CPU; None = decided from this machine (``rollout_on_cpu``).
     """
     c = run_cfg
     if c.rollout.name != "vllm":
         return
-    if rollout_on_cpu(c) and head_dim not in CPU_HEAD_DIMS:
+    if (rollout_on_cpu(c) if on_cpu is None else on_cpu) and head_dim not in CPU_HEAD_DIMS:
         tiny = ""
         if not c.model.path and c.model.preset == "tiny":
             tiny = (f" (model.hidden_size={c.model.hidden_size} / model.num_attention_heads="

@@ -125,7 +125,11 @@ def check_extras(cfg: RunConfig) -> str:
 
 def _check_device(cfg: RunConfig) -> str:
     from engine.device import check_device_config
+    from engine.trainer.ray_cluster import ranks_elsewhere
 
+    if ranks_elsewhere(cfg.trainer.ray_address):
+        check_device_config(cfg, ranks_elsewhere=True)
+        return f"trainer.device={cfg.trainer.device} (checked on the cluster's machines, not this one)"
     check_device_config(cfg)  # CUDA / FP8 hardware
     return f"trainer.device={cfg.trainer.device}"
 

@@ -86,6 +86,12 @@ def resolve_address(configured: str, environ=os.environ) -> RayTarget:
     return RayTarget("", "local")
 
 
+def ranks_elsewhere(ray_address: str, environ=os.environ) -> bool:
+    """The run joins a Ray cluster that is not on this machine: its ranks' hardware is theirs,
+    not the driver's (engine/device.py check_device_config)."""
+    return not resolve_address(ray_address, environ).loopback
+
+
 def _set_local_only(local: bool) -> None:
     """Local runs (and clusters on loopback): Ray binds loopback (set before Ray is imported;
     also patched into an already-imported Ray, whose constant was read at import). Drivers

@@ -84,7 +84,11 @@ def check_model_fits_run(cfg: RunConfig, model_path: str, vocab: dict) -> None:
 
     hf_config = hf_config_for(cfg, model_path, vocab)
     if cfg.rollout.name == "vllm":
-        check_vllm_config(cfg, head_dim_of(hf_config))
+        from engine.trainer.ray_cluster import ranks_elsewhere
+
+        # on another machine's ranks the device is theirs: with trainer.device=auto, their own check decides
+        elsewhere = ranks_elsewhere(cfg.trainer.ray_address) and cfg.trainer.device != "cpu"
+        check_vllm_config(cfg, head_dim_of(hf_config), on_cpu=False if elsewhere else None)
     if lora.rank and lora.target_modules:
         from engine.model.lora import check_targets
 

@@ -112,6 +112,15 @@ class RankWorker:
         from engine.trainer.rendezvous import make_store, node_address, pin_interfaces
 
         self.model_path, self.vocab = model_path, vocab
+        if self.cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+            import socket
+
+            from engine.errors import ConfigError
+
+            # the driver checks its own machine only when the ranks run there (preflight)
+            raise ConfigError(f"`trainer.device=cuda` but rank {self.rank} on {socket.gethostname()} sees no CUDA "
+                              f"device. Run on a cluster whose workers have GPUs, or use trainer.device=auto "
+                              f"(or cpu).", title="invalid config value")
         self.device = resolve_device(self.cfg.trainer.device, self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
