@@ -26,6 +26,20 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def assigned_cuda_index(assigned: list[str], visible_env: str | None, fallback: int) -> int:
+    """The CUDA index of the one GPU Ray assigned this process (``ray.get_gpu_ids()``), as this
+    process numbers its visible devices: its position in ``CUDA_VISIBLE_DEVICES`` (Ray normally
+    sets that to the assigned GPU alone: index 0), or the physical id when nothing restricts
+    visibility (a cluster that tells Ray not to set it). ``fallback`` when Ray assigned no single
+    GPU."""
+    if len(assigned) != 1:
+        return fallback
+    visible = [v.strip() for v in (visible_env or "").split(",") if v.strip()]
+    if visible:
+        return visible.index(assigned[0]) if assigned[0] in visible else fallback
+    return int(assigned[0]) if assigned[0].isdigit() else fallback
+
+
 def dist_backend(device: torch.device) -> str:
     """The process group's backends: NCCL for CUDA tensors and gloo for host tensors on a GPU.
     The ranks agree on small host-side counts (micro-batches, token totals, which rows to skip)

@@ -251,3 +251,17 @@ def test_on_a_gpu_host_tensors_have_a_backend_too():
     assert BackendConfig(Backend(dist_backend(torch.device("cuda", 0)))).get_device_backend_map() == \
         {"cpu": "gloo", "cuda": "nccl"}
     assert dist_backend(torch.device("cpu")) == "gloo"
+
+
+def test_a_rank_computes_on_the_gpu_ray_assigned_it():
+    """Ray sets CUDA_VISIBLE_DEVICES to a rank's one GPU (cuda:0 inside it). Where a cluster tells
+    Ray not to (every GPU visible), rank % device_count picks some GPU, possibly another rank's;
+    the assigned id's position among the visible devices is the right one."""
+    from engine.device import assigned_cuda_index
+
+    assert assigned_cuda_index(["5"], "5", fallback=3) == 0                 # Ray's default: only it visible
+    assert assigned_cuda_index(["5"], "0,1,2,3,4,5,6,7", fallback=3) == 5   # every GPU visible
+    assert assigned_cuda_index(["5"], "4,5", fallback=3) == 1
+    assert assigned_cuda_index(["5"], None, fallback=3) == 5                # nothing restricts: physical ids
+    assert assigned_cuda_index([], "0,1", fallback=3) == 3                  # no GPU from Ray: as before
+    assert assigned_cuda_index(["GPU-uuid-1"], "GPU-uuid-0,GPU-uuid-1", fallback=0) == 1

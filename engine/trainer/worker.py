@@ -121,7 +121,14 @@ class RankWorker:
             raise ConfigError(f"`trainer.device=cuda` but rank {self.rank} on {socket.gethostname()} sees no CUDA "
                               f"device. Run on a cluster whose workers have GPUs, or use trainer.device=auto "
                               f"(or cpu).", title="invalid config value")
-        self.device = resolve_device(self.cfg.trainer.device, self.rank)
+        import ray
+
+        from engine.device import assigned_cuda_index
+
+        # the GPU Ray assigned this rank, not rank % visible devices (equal only when Ray hides the rest)
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.device = resolve_device(self.cfg.trainer.device,
+                                     assigned_cuda_index(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), self.rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         pin_interfaces(node_address())
