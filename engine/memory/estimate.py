@@ -733,8 +733,8 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
     if worker is not None:
         mode = f"trainer.mode={run_cfg.trainer.mode}"
         notes.append(f"{mode}: the rollout worker samples the next batches in its own process, with its own copy "
-                     f"of the policy ({_fmt(worker['total'])} in all). On GPUs it takes a GPU of its own when the "
-                     f"cluster has one beyond the ranks' ({lay.nprocs} + 1); otherwise it shares rank 0's device, "
+                     f"of the policy ({_fmt(worker['total'])} in all). On GPUs it takes a GPU of its own when one "
+                     f"is free beyond the ranks' {lay.nprocs}; otherwise it shares rank 0's device, "
                      f"where it samples while rank 0 updates: rank 0's peak is then "
                      f"{_fmt(worker['rank0_peak_if_shared'])}" + ("" if run_cfg.trainer.val_freq else
                                                                     "; the ranks themselves sample nothing"))
