@@ -269,9 +269,12 @@ class StaticDecode:
         return True
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished rows leave the batch)."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        """Keep only ``rows`` (finished rows leave the batch). One layer at a time, each old tensor
+        dropped as its replacement is made: the cache is the rollout's largest allocation, and
+        building every layer's new copy while the old list lives needed about 1.5x of it."""
+        for i in range(len(self.keys)):
+            self.keys[i] = self.keys[i].index_select(0, rows)
+            self.values[i] = self.values[i].index_select(0, rows)
         self.bias = self.bias.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
         if self.cos is not None:

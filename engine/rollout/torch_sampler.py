@@ -56,9 +56,18 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         return logits
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
+    drop = row_cumsum(probs) - probs > top_p  # keep the smallest prefix with mass >= top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)`` over [B, V], the same bits run to run. For a single row CUDA's cumsum is one
+    scan over the whole tensor (cub's, whose adding order depends on timing: pytorch#75240); two
+    rows take the per-row scan, which is deterministic. On a CPU both are the sequential sum."""
+    if x.shape[0] == 1 and x.is_cuda:
+        return x.expand(2, -1).cumsum(-1)[:1]
+    return x.cumsum(-1)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -67,7 +76,7 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     same distribution as ``torch.multinomial(probs, 1)``, which on a CPU draws an exponential for
     every vocabulary entry (~0.65 ms of a 64 x 512 decode step, 1-2 us here). A token of
     probability 0 is never chosen: its interval of the cumulative sum is empty."""
-    cdf = probs.cumsum(-1)
+    cdf = row_cumsum(probs)
     total = cdf[:, -1:]
     x = torch.minimum(uniforms.reshape(-1, 1).to(cdf.dtype) * total,
                       torch.nextafter(total, torch.zeros_like(total)))  # below the total, even rounded
@@ -144,10 +153,11 @@ class TorchSampler(Sampler):
         chunk = self.cfg.micro_batch_size or len(rows)
         if self.fast and chunk >= n:  # whole prompt groups per chunk, so groups share their prefill
             chunk -= chunk % n
-        gen = _device_generator(generator, self.device) if self.fast else generator
-        # the fast path's sampling noise: one uniform per row and step, drawn here in row order
+        # the fast path's sampling noise: one uniform per row and step, drawn here in row order from
+        # the rank's CPU generator and copied over once: the same draws on any device (a CUDA
+        # generator's assignment of numbers to elements depends on the GPU's SM count)
         noise = None if greedy or not self.fast else torch.rand(
-            (len(rows), self.cfg.max_new_tokens), generator=gen, device=self.device)
+            (len(rows), self.cfg.max_new_tokens), generator=generator).to(self.device)
         self.last_kv_cache_bytes = 0
         self.last_lanes = 1
         with _recording(model, self.record_routing) as recorder:
@@ -184,6 +194,7 @@ class TorchSampler(Sampler):
         keep = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep)
         cache, logits = returned_cache(out), out.logits[:, -1, :].float()
+        del out  # it holds the prefill's cache too: the decode copies what it needs, or keeps `cache`
         expand = torch.tensor(owner, device=dev)
         logits, attn, next_pos = logits[expand], attn[expand], pos[expand][:, -1:] + 1
         N = self.cfg.max_new_tokens
@@ -532,15 +543,6 @@ def _recording(model, on: bool):
     from engine.moe.router_replay import attach
 
     return attach(model).recording()
-
-
-def _device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` seeded from the rank's CPU generator (the CPU one itself on CPU)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return generator
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _cache_bytes(cache) -> int:
