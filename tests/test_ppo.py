@@ -74,6 +74,19 @@ def test_ppo_learns_the_default_task(tmp_path, engine):
     assert all("value_loss" in row["algo"] for row in rows)
 
 
+@pytest.mark.slow
+def test_ppo_with_a_bf16_model_trains_its_critic(tmp_path):
+    """model.dtype=bfloat16 (the natural GPU setting): FSDP2's mixed precision gathers the value
+    head's weight in bf16 as well, and the head used to be fed an fp32 input (a dtype error at the
+    critic's first forward, on any device). Two steps, the critic's loss finite both times."""
+    d = tmp_path / "run"
+    r = rl("train", "algorithm=ppo", "model.dtype=bfloat16", "trainer.total_steps=2", "data.train_batch_size=4",
+           "algorithm.rollout_n=4", f"checkpoint.dir={d}", "checkpoint.save_freq=0", "checkpoint.save_final=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["algo"]["value_loss"] == row["algo"]["value_loss"] for row in rows)
+
+
 def dcp_tensors(state_dir: Path) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -25,7 +25,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        v = self.value_head(h.float()).squeeze(-1)
+        # in the backbone's dtype: FSDP2's mixed precision gathers the head's weight in model.dtype too
+        # (an fp32 input against a bf16 weight is an error); the values themselves in fp32
+        v = self.value_head(h).float().squeeze(-1)
         return values_per_token(v)
 
 
