@@ -265,3 +265,21 @@ def test_a_rank_computes_on_the_gpu_ray_assigned_it():
     assert assigned_cuda_index(["5"], None, fallback=3) == 5                # nothing restricts: physical ids
     assert assigned_cuda_index([], "0,1", fallback=3) == 3                  # no GPU from Ray: as before
     assert assigned_cuda_index(["GPU-uuid-1"], "GPU-uuid-0,GPU-uuid-1", fallback=0) == 1
+
+
+def test_on_a_gpu_each_micro_batch_reduce_scatters_its_gradients(monkeypatch):
+    """With gradient sync off until the last micro-batch, FSDP2 keeps every unit's whole fp32
+    gradient on each GPU through the accumulation (the memory estimate counts shards): on CUDA every
+    micro-batch reduce-scatters; on a CPU (host memory, slower gloo collectives) the last one only."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import engine.backends.fsdp.engine as fsdp_engine
+
+    synced = []
+    monkeypatch.setattr(fsdp_engine, "set_gradient_sync", lambda model, sync: synced.append(sync))
+    for device in ("cuda", "cpu"):
+        rank = SimpleNamespace(device=torch.device(device), _replay=lambda *a, **k: nullcontext())
+        for last in (False, True):
+            fsdp_engine.FSDPEngine._backward_scope(rank, None, None, None, last)
+    assert synced == [True, True, False, True]

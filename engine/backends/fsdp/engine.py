@@ -234,7 +234,11 @@ class FSDPEngine(TrainEngine):
         return self._replay(batch, model, layout)
 
     def _backward_scope(self, model, batch: SequenceBatch, layout, last: bool):
-        set_gradient_sync(model, last)  # FSDP2 reduces gradients once, on the last micro-batch
+        # on a GPU FSDP2 reduce-scatters every micro-batch's gradients, so a rank holds its shard of
+        # them: held unreduced until the last one, every GPU kept the whole model's fp32 gradients
+        # through the accumulation (the memory estimate counts shards); on a CPU, where memory is the
+        # host's, once per step (fewer gloo collectives)
+        set_gradient_sync(model, last or self.device.type == "cuda")
         return self._replay(batch, model, layout)  # through backward: checkpointing recomputes them too
 
     def _clip_and_step(self, model, optimizer, clip: float) -> tuple[float, bool]:
