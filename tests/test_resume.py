@@ -186,6 +186,7 @@ def test_flattened_load_needs_backfill_for_param_without_gradient(gloo1, tmp_pat
     sa, sc = a.optimizer.state[a.model.used.weight], c.optimizer.state[c.model.used.weight]
     assert torch.equal(sa["exp_avg"].full_tensor(), sc["exp_avg"].full_tensor()) and float(sc["step"]) == 2
     assert c.lr_scheduler.state_dict()["last_epoch"] == a.lr_scheduler.state_dict()["last_epoch"] == 2
+    assert c._updates == 2, "the update count the learned bucket policy refreshes on continues"
 
 
 def test_backfilled_parameter_first_update_is_bit_exact(gloo1, tmp_path):

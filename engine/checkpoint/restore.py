@@ -139,6 +139,10 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
     sched = trainer_state.get("lr_scheduler")
     if sched:
         engine.lr_scheduler.load_state_dict(sched)
+        # the optimizer steps taken, which the learned bucket policy refreshes on (its restored
+        # last refresh is counted in them): from 0, a resumed run refit at other steps than the
+        # uninterrupted one, and padded to other shapes from then on
+        engine._updates = int(sched.get("last_epoch", 0))
     buckets = _restore_buckets(engine, trainer_state.get("learned_buckets"))
 
     rng_file = step.rng_file(rank)
