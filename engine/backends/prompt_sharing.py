@@ -11,17 +11,26 @@ from engine.batching.prompt_groups import PromptGroups
 from engine.model.hf_cache import cache_kwarg, returned_cache
 
 
+def rows_of(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows ``owner`` (prompts to their samples), differentiable. The backward sums each
+    prompt's rows: on a CPU ``index_select``'s (``index_add``, serial); on CUDA advanced indexing's
+    (an accumulating ``index_put``, sort-based and the same bits every run), where ``index_add``
+    adds with atomics in an order that varies between runs: a resumed run's gradients then
+    differed from the uninterrupted run's in the last bit."""
+    return t[owner] if t.is_cuda else t.index_select(0, owner)
+
+
 def _expand_cache(cache, owner: torch.Tensor) -> None:
-    """Every row gets its prompt's keys/values: ``index_select`` along the batch, differentiable,
-    whose backward sums each prompt's rows (``index_add``; transformers' ``batch_select_indices``
-    indexes with a tensor, whose backward is an accumulating ``index_put``, ~1 ms a layer here)."""
+    """Every row gets its prompt's keys/values (``rows_of``; on a CPU ``index_select``, whose
+    backward ``index_add`` is ~1 ms a layer faster here than the accumulating ``index_put`` of
+    transformers' ``batch_select_indices``)."""
     layers = getattr(cache, "layers", None)
     if not layers or not all(isinstance(getattr(lc, "keys", None), torch.Tensor) for lc in layers):
         cache.batch_select_indices(owner)
         return
     for lc in layers:
-        lc.keys = lc.keys.index_select(0, owner)
-        lc.values = lc.values.index_select(0, owner)
+        lc.keys = rows_of(lc.keys, owner)
+        lc.values = rows_of(lc.values, owner)
 
 
 def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
@@ -33,7 +42,7 @@ def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
     out = model(input_ids=groups.prompt_ids.to(dev), attention_mask=pmask,
                 position_ids=groups.prompt_positions.to(dev), use_cache=True, logits_to_keep=1)
     owner = groups.owner.to(dev)
-    first = out.logits[:, -1:].index_select(0, owner)
+    first = rows_of(out.logits[:, -1:], owner)
     fed = groups.fed
     if fed == 0:  # one-token responses: the prompt's last position predicts all there is
         return first
