@@ -146,27 +146,38 @@ def test_a_rank_started_below_the_drivers_priority_gets_it_back_or_says_why():
         assert "RAY_worker_niceness=0" in res["note"] and res["nice"] == [base + 10], res
 
 
+PRIVATE_RAY_NICENESS = """
+import glob, json, os
+from engine.trainer.ray_cluster import ray_cluster
+
+class Rank:  # ranks are actors (engine/trainer/worker_group.py)
+    def niceness(self):
+        import glob, os
+        return sorted({os.getpriority(os.PRIO_PROCESS, int(p.rsplit("/", 1)[1])) for p in glob.glob("/proc/self/task/*")})
+
+with ray_cluster("local", 1) as (ray, _):
+    rank = ray.remote(num_cpus=1)(Rank).remote()
+    print(json.dumps({"driver": os.getpriority(os.PRIO_PROCESS, 0), "rank": ray.get(rank.niceness.remote(), timeout=120)}))
+"""
+
+
 def test_rank_env_carries_the_drivers_niceness_and_the_private_ray_keeps_it():
     """The ranks learn the driver's niceness from their environment, and a worker of rl's
-    private Ray runs at it on every thread (worker_niceness 0), not at Ray's 15."""
+    private Ray runs at it on every thread (worker_niceness 0), not at Ray's 15. The private Ray is
+    started from a fresh driver process, as `rl train` starts it (the test process's own threads
+    and Ray state after other tests are not what a run starts from)."""
+    import json
     import os
-
-    from engine.trainer.ray_cluster import ray_cluster
+    import subprocess
 
     driver = os.getpriority(os.PRIO_PROCESS, 0)
     assert engine.threads.rank_env(2)["RL_RANK_NICENESS"] == str(driver)
-
-    class Rank:  # ranks are actors (engine/trainer/worker_group.py)
-        def niceness(self):
-            import glob
-            import os
-
-            return sorted({os.getpriority(os.PRIO_PROCESS, int(p.rsplit("/", 1)[1]))
-                           for p in glob.glob("/proc/self/task/*")})
-
-    with ray_cluster("local", 1) as (ray, _):  # the private Ray (the suite's runs share a joined head)
-        rank = ray.remote(num_cpus=1)(Rank).remote()
-        assert ray.get(rank.niceness.remote(), timeout=120) == [driver]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", PRIVATE_RAY_NICENESS], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rank"] == [got["driver"]], got
 
 
 def test_omp_wait_spins_briefly_on_a_free_machine_and_sleeps_on_a_busy_one(monkeypatch):
