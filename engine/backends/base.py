@@ -258,8 +258,10 @@ class TrainEngine(ABC):
         """A full-weight causal LM (HF forward signature, KV cache) for sampling."""
 
     @abstractmethod
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights under Hugging Face names (for vLLM sync and export)."""
+    def export_hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights under Hugging Face names (for vLLM sync and export). A
+        collective: every rank calls it; a rank that does not ``keep`` them gets ``{}`` (and, where
+        the engine can, never holds them all at once)."""
 
     router_replay = None  # engine/moe/router_replay.py (FSDP) or megatron/routing_replay.py, set by build()
 

@@ -28,15 +28,31 @@ def tiny_hf_config(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0, eos
 
 
 def build_hf_model(cfg: ModelConfig, path: str, vocab_size: int, seed: int,
-                   pad_token_id: int = 0, eos_token_id: int = 1, load_dtype: torch.dtype | None = None) -> torch.nn.Module:
+                   pad_token_id: int = 0, eos_token_id: int = 1, load_dtype: torch.dtype | None = None,
+                   on_meta: bool = False) -> torch.nn.Module:
     """The policy on CPU in cfg.dtype. ``path`` empty -> tiny random init seeded by ``seed``.
     ``load_dtype``: read a checkpoint's weights straight into this dtype instead (the FSDP engine's
     fp32 masters: the same values as loading cfg.dtype and upcasting, without holding both copies
-    on the host at once). A random init is always made in cfg.dtype (its values depend on it)."""
+    on the host at once). A random init is always made in cfg.dtype (its values depend on it).
+    ``on_meta``: the same modules on the meta device, without values (nothing read or allocated;
+    engine/backends/fsdp/rank0_weights.py fills them)."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
-    if path:
+    if on_meta:
+        if path:
+            from transformers import AutoConfig
+
+            from engine.model.source import HF_LOAD_KWARGS
+
+            dtype = load_dtype or dtype
+            hf_cfg = AutoConfig.from_pretrained(path, **HF_LOAD_KWARGS)
+        else:
+            hf_cfg = tiny_hf_config(cfg, vocab_size, pad_token_id, eos_token_id)
+        hf_cfg._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    elif path:
         dtype = load_dtype or dtype
         from engine.model.source import HF_LOAD_KWARGS
 

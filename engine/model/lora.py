@@ -88,13 +88,15 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def inject(model: torch.nn.Module, lora_cfg, base_path: str) -> tuple[torch.nn.Module, dict]:
-    """Freeze ``model`` and add LoRA adapters in place; returns (model, base reference)."""
+def inject(model: torch.nn.Module, lora_cfg, base_path: str, hash_weights: bool = True) -> tuple[torch.nn.Module, dict]:
+    """Freeze ``model`` and add LoRA adapters in place; returns (model, base reference).
+    ``hash_weights`` False (a model on the meta device, without values): no ``base_sha256``; the
+    rank that read the weights has it."""
     from peft import inject_adapter_in_model
 
     ref = {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "dropout": lora_cfg.dropout,
-           "target_modules": target_modules(lora_cfg, model.config.model_type),
-           "base_path": base_path, "base_sha256": state_dict_sha256(model), "adapter": ADAPTER}
+           "target_modules": target_modules(lora_cfg, model.config.model_type), "base_path": base_path,
+           "base_sha256": state_dict_sha256(model) if hash_weights else None, "adapter": ADAPTER}
     cfg = peft_config(lora_cfg, model.config.model_type)
     model.requires_grad_(False)
     model = inject_adapter_in_model(cfg, model, adapter_name=ADAPTER)

@@ -263,7 +263,7 @@ class RankWorker:
         ``release_cache``: a rollout worker shares this rank's GPU and claims memory next, so
         hand back what torch keeps cached here (the update's and the export's freed blocks)."""
         with self.tracker.phase("weight_sync", self.step):
-            state = self.engine.export_hf_state_dict()
+            state = self.engine.export_hf_state_dict(keep=keep)
         if release_cache and self.device.type == "cuda":
             import torch
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.algorithms.value_loss import values_per_token
 from engine.backends.critic import Critic
+from engine.backends.fsdp.rank0_weights import full_state, reads_weights, receive_weights
 from engine.backends.fsdp.units import decoder_blocks, use_cpu_matmul
 from engine.batch import SequenceBatch
 
@@ -44,17 +45,25 @@ class FSDPCritic(Critic):
         super().__init__(cfg, engine)
         c = cfg.critic
 
+        reads = reads_weights(engine.units, engine.world_size)  # else meta modules, filled from rank 0 (as the policy)
         lm = build_hf_model(cfg.model, critic_model_dir(c.model_path, engine.model_path), engine.vocab_size,
-                            cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id, load_dtype=torch.float32).float()
-        model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
+                            cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id, load_dtype=torch.float32,
+                            on_meta=not reads).float()
+        with torch.device("meta" if not reads else "cpu"):
+            model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
         del lm
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype), reduce_dtype=torch.float32)
         if engine.units == "none":
             model.to(engine.device)
         else:  # the policy's layout (engine/backends/fsdp/units.py fsdp_units); fully_shard moves each unit to the device
+            shared = engine.world_size > 1
+            whole = full_state(model) if reads and shared else ({}, {})
             for layer in decoder_blocks(model.backbone) if engine.units == "layer" else []:
                 fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
             fully_shard(model, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)
+            if shared:
+                receive_weights(model, engine.device, whole)
+            del whole
         if cfg.engine.fused_kernels:  # the same kernels as the policy's (engine/model/fused_kernels.py)
             from engine.model.fused_kernels import use_fused_kernels
 

@@ -1,8 +1,9 @@
 """FSDP2 backend: a transformers causal LM sharded with torch.distributed.fsdp.fully_shard.
 
-Data parallel over all ranks (gloo on CPU, nccl on CUDA). Every rank builds the same
-seeded model, shards each decoder layer and the root, and trains with AdamW on the local
-shards (DTensors). Gradients are reduced once per optimizer step (no sync on earlier
+Data parallel over all ranks (gloo on CPU, nccl on CUDA). Rank 0 reads (or seeds) the model,
+the others build it on the meta device; each decoder layer and the root are sharded, every rank
+receives its shards from rank 0 (engine/backends/fsdp/rank0_weights.py) and trains with AdamW on
+them (DTensors). Gradients are reduced once per optimizer step (no sync on earlier
 micro-batches), and every rank runs the same number of micro-batches so collectives line up.
 A one-rank CPU run trains the plain model instead (``engine.fsdp_unit``, ``fsdp_units``).
 """
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 from engine.algorithms.logprobs import token_log_probs
 from engine.backends.base import OffloadReport, TrainEngine
+from engine.backends.fsdp.rank0_weights import (full_state, reads_weights, receive_weights, share_rank0_object,
+                                                 share_rank0_rng)
 from engine.backends.fsdp.units import (check_fsdp_units, compile_decoder_blocks, decoder_blocks, eager_decoder_blocks,
                                         fsdp_units, set_gradient_sync, use_cpu_matmul)
 from engine.backends.prompt_sharing import grouped_logits, response_log_probs
@@ -49,8 +52,12 @@ class FSDPEngine(TrainEngine):
         from engine.model.build import build_hf_model
 
         c = self.cfg
+        self.units = fsdp_units(c.engine, self.world_size, self.device, c.model.dtype)
+        check_fsdp_units(self.units, self.world_size, c.model.dtype)
+        reads = reads_weights(self.units, self.world_size)  # else meta modules, filled from rank 0
+        shared = self.units != "none" and self.world_size > 1
         model = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
-                               self.pad_token_id, self.eos_token_id, load_dtype=torch.float32)
+                               self.pad_token_id, self.eos_token_id, load_dtype=torch.float32, on_meta=not reads)
         if c.model.dtype != "float32":  # keep fp32 masters; compute in the low precision
             model = model.float()
         if c.engine.gradient_checkpointing:
@@ -67,23 +74,29 @@ class FSDPEngine(TrainEngine):
         if c.model.lora.rank:  # the reference stays the base model; the policy gets adapters
             from engine.model.lora import inject
 
-            model, self.lora_reference = inject(model, c.model.lora, self.model_path)
+            model, self.lora_reference = inject(model, c.model.lora, self.model_path, hash_weights=reads)
             if c.engine.gradient_checkpointing:
                 model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grads
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, c.model.dtype), reduce_dtype=torch.float32)
-        self.units = fsdp_units(c.engine, self.world_size, self.device, c.model.dtype)
-        check_fsdp_units(self.units, self.world_size, c.model.dtype)
         for m in [model] + ([ref] if ref is not None else []):
             if self.units == "none":
                 m.to(self.device)
                 continue
+            whole = full_state(m) if reads and shared else ({}, {})
             # no m.to(device) first: fully_shard moves each unit's parameters to the mesh's device as
             # it shards them, so a GPU holds one whole block at a time, not the whole fp32 model
             for layer in decoder_blocks(m) if self.units == "layer" else []:
                 fully_shard(layer, mesh=self.mesh, mp_policy=mp,
                             reshard_after_forward=c.engine.reshard_after_forward)
             fully_shard(m, mesh=self.mesh, mp_policy=mp, reshard_after_forward=c.engine.reshard_after_forward)
+            if shared:
+                receive_weights(m, self.device, whole)
+            del whole
+        if shared:
+            share_rank0_rng()
+            if self.lora_reference is not None:
+                self.lora_reference = share_rank0_object(self.lora_reference)
         self.model, self.ref_model = model, ref
         self.router_replay = None  # engine.moe.router_replay.RouterReplay (algorithm.router_replay on)
         if c.algorithm.router_replay != "off":
@@ -295,15 +308,21 @@ class FSDPEngine(TrainEngine):
                     if isinstance(mod, FSDPModule):
                         mod.reshard()
 
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every rank gets every tensor (a collective: all ranks call it), gathered one
-        parameter at a time and copied to host, so the device holds one full tensor at most."""
+    def export_hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Every rank that ``keep``s them gets every tensor (a collective: all ranks call it),
+        gathered one parameter at a time and copied to host, so the device holds one full tensor
+        at most; a rank that does not keep them drops each as soon as it is gathered (its host
+        never holds the whole model: the rollout worker's sync keeps rank 0's copy alone)."""
         from torch.distributed.tensor import DTensor
 
         out = {}
         for name, value in self.model.state_dict().items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
-            out[name] = full.detach().to("cpu", copy=True)
+            if keep:
+                out[name] = full.detach().to("cpu", copy=True)
+            del full
+        if not keep:
+            return out
         if self.lora_reference is not None:
             out = self._merge_lora(out)
         return out

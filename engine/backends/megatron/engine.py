@@ -372,8 +372,9 @@ class MegatronEngine(TrainEngine):
         return stats
 
     # ---- rollout / export ---------------------------------------------------------------
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sharded.gather_hf(lambda p: p)
+    def export_hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        full = self.sharded.gather_hf(lambda p: p)  # a collective on every rank, kept or not
+        return full if keep else {}
 
     @contextmanager
     def generation_model(self):
