@@ -409,7 +409,7 @@ def test_a_dead_rollout_worker_ends_the_run_with_the_resume_command(tmp_path):
     run = tmp_path / "run"
     env = _rl_env(ENV)
     env.pop("RAY_ADDRESS", None)  # a private Ray in the run's own session: its rollout worker is found there
-    p = subprocess.Popen(_rl_argv(["train", *TINY, "trainer.total_steps=40", "trainer.mode=one_step_off",
+    p = subprocess.Popen(_rl_argv(["train", *TINY, "trainer.total_steps=16", "trainer.mode=one_step_off",
                                    "checkpoint.save_freq=2", f"checkpoint.dir={run}"], ""),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
@@ -428,4 +428,4 @@ def test_a_dead_rollout_worker_ends_the_run_with_the_resume_command(tmp_path):
     assert f"continue with `rl resume {run}`" in said and "Traceback" not in out, out[-3000:]
     r = rl("resume", str(run), env=ENV, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [x["step"] for x in rows(run)] == list(range(1, 41))
+    assert [x["step"] for x in rows(run)] == list(range(1, 17))
