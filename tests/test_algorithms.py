@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.algorithms.advantages import grpo_advantages
-from engine.algorithms.policy_loss import aggregate, kl_penalty, ppo_clip_token_loss
+from engine.algorithms.policy_loss import aggregate, dual_clip, kl_penalty, ppo_clip_token_loss
 
 
 def test_grpo_advantages_by_hand():
@@ -29,6 +29,23 @@ def test_ppo_clip_by_hand():
     # token 3: r=1.1 within range -> -2.2
     assert torch.allclose(loss, torch.tensor([[-1.28, 0.8, -2.2]]), atol=1e-6)
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]
+
+
+def test_dual_clip_by_hand():
+    """Dual-clip caps a negative-advantage token's PPO loss at c |A|: beyond ratio c it adds no
+    gradient; below c, and for every positive advantage, the PPO-clip loss is unchanged."""
+    ratios = torch.tensor([[5.0, 2.0, 5.0, 0.5]])
+    logp = torch.log(ratios).requires_grad_()
+    adv = torch.tensor([[-1.0, -1.0, 2.0, -2.0]])
+    loss, _ = ppo_clip_token_loss(logp, torch.zeros(1, 4), adv, 0.2, 0.28)
+    capped_loss, capped = dual_clip(loss, adv, 3.0)
+    # A<0, r=5 > 3: PPO's max(-A r, -A clip(r)) = 5, capped at 3; A<0, r=2: 2; A>0, r=5: -2 * 1.28;
+    # A<0, r=.5: max(.5 * 2, .8 * 2) = 1.6
+    assert torch.allclose(capped_loss, torch.tensor([[3.0, 2.0, -2.56, 1.6]]), atol=1e-6)
+    assert capped.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    capped_loss.sum().backward()
+    # d(-A r)/d log p = -A r: the capped token none, the token at r=2 its full 2
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]]), atol=1e-6)
 
 
 def test_aggregation_modes_by_hand():

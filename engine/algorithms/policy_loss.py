@@ -35,7 +35,7 @@ def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch
                         versions_behind: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token -min(r A, clip(r, 1-lo, 1+hi) A) and whether the clip was active.
     ``versions_behind`` [B, T] (a ratio against weights s versions older than the trained ones):
-    the bounds compound per version, (1-lo)^(s+1) .. (1+hi)^(s+1)."""
+    the bounds compound per version, (1-lo)^(s+1) .. (1+hi)^(s+1). (dual_clip caps it further.)"""
     ratio = torch.exp(log_p - old_log_p)
     unclipped = -adv * ratio
     if versions_behind is None:
@@ -45,6 +45,17 @@ def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch
         clipped = -adv * torch.clamp(ratio, (1.0 - clip_low) ** span, (1.0 + clip_high) ** span)
     loss = torch.maximum(unclipped, clipped)
     return loss, (clipped > unclipped).float()
+
+
+def dual_clip(loss: torch.Tensor, adv: torch.Tensor, clip_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
+    where A < 0, the PPO-clip loss -min(r A, clip(r) A) grows with r without bound (the min keeps
+    r A); it is capped at -c A, so a token whose ratio exceeds c -- one the trained policy already
+    made far likelier than the weights that sampled it -- adds no gradient instead of one c-fold
+    or more. Returns the loss and where the cap was active."""
+    cap = -adv * clip_c
+    capped = (adv < 0) & (loss > cap)
+    return torch.where(capped, cap, loss), capped.float()
 
 
 def rollout_is_weight(old_log_p: torch.Tensor, rollout_log_p: torch.Tensor, mask: torch.Tensor, level: str,
@@ -140,6 +151,9 @@ class PolicyLoss:
                       else None)
             pg, clipped = ppo_clip_token_loss(log_p, old, mb.advantages, c.clip_ratio_low, c.clip_ratio_high, behind)
             extra = {}
+            if c.clip_ratio_c > 0:
+                pg, capped = dual_clip(pg, mb.advantages, c.clip_ratio_c)
+                extra["dual_clip_frac"] = agg(capped).item()
         if roll is not None and (off.report or off.is_level != "off"):  # the trained policy against the sampler's
             with torch.no_grad():
                 extra |= rollout_ratio_report(log_p.detach(), roll, mask, c.rollout_is_cap, n_tokens, n_seqs)

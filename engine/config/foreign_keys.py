@@ -58,6 +58,7 @@ _V = [  # verl
     (_A + "clip_ratio", "algorithm.clip_ratio_low", "set algorithm.clip_ratio_high to the same value too"),
     (_A + "clip_ratio_low", "algorithm.clip_ratio_low", ""),
     (_A + "clip_ratio_high", "algorithm.clip_ratio_high", ""),
+    (_A + "clip_ratio_c", "algorithm.clip_ratio_c", "dual-clip; off (0) in rl, 3 in verl"),
     (_A + "loss_agg_mode", "algorithm.loss_agg_mode", "the same mode names as verl's"),
     (_A + "entropy_coeff", "algorithm.entropy_coef", ""),
     (_A + "use_kl_loss", "algorithm.use_kl_loss", ""),

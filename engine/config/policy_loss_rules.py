@@ -34,10 +34,18 @@ def check_policy_loss(a: AlgorithmConfig) -> None:
                 f"would no longer be an average over responses. Set `algorithm.loss_agg_mode=seq-mean-token-mean` "
                 f"(every response weighs the same: the paper's) or `token-mean` (responses weigh by length).",
                 title="invalid config")
+        if a.clip_ratio_c:
+            raise ConfigError("`algorithm.clip_ratio_c` (dual-clip) caps the token-level PPO-clip loss; "
+                              "`algorithm.loss=gspo` clips one sequence ratio per response instead. Drop "
+                              "algorithm.clip_ratio_c, or use `algorithm.loss=ppo_clip`.", title="override has no effect")
         if a.gspo_clip_ratio_low >= 1.0:
             raise ConfigError("`algorithm.gspo_clip_ratio_low` must be < 1 (the lower clip bound of the sequence "
                               "ratio is 1 - gspo_clip_ratio_low; the paper uses 3e-4).", title="invalid config value")
         return
+    if 0 < a.clip_ratio_c <= 1.0:
+        raise ConfigError(f"`algorithm.clip_ratio_c={a.clip_ratio_c}` must be above 1: dual-clip caps a negative-"
+                          f"advantage token's loss at c x |A|, and at c <= 1 it would cap tokens whose ratio has not "
+                          f"moved at all. verl's default is 3; 0 turns it off.", title="invalid config value")
     changed = [k for k in _GSPO_KEYS if getattr(a, k) != _default(k)]
     if changed:
         raise ConfigError(

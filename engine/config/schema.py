@@ -221,6 +221,10 @@ class AlgorithmConfig:
                                only_for={"algorithm": ("grpo", "dapo")})
     clip_ratio_low: float = _f(0.2, "ppo_clip: the token ratio's lower clip bound is 1 - this", min=0.0)
     clip_ratio_high: float = _f(0.28, "ppo_clip: the token ratio's upper clip bound is 1 + this", min=0.0)
+    clip_ratio_c: float = _f(0.0, "ppo_clip: dual-clip (verl's clip_ratio_c, 3 there): a token with a negative "
+                                  "advantage adds at most c x |A| to the loss, so one whose ratio is above c adds no "
+                                  "gradient (only ratios far from 1 reach it: samples from older weights, several "
+                                  "updates per batch); 0 = off, else > 1", min=0.0)
     loss_agg_mode: str = _f("token-mean", "how per-token losses become one scalar",
                             choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
     loss: str = _f("ppo_clip", "policy loss: ppo_clip (a ratio and clip per token) or gspo (one ratio per response, "
