@@ -320,6 +320,8 @@ def test_megatron_tp2_gspo_step_equals_the_formula():
     (["algorithm.loss=gspo", "algorithm.gspo_clip_ratio_low=1.0"], r"gspo_clip_ratio_low.*must be < 1"),
     (["algorithm.gspo_clip_ratio_high=0.01"], r"read only by `algorithm.loss=gspo`"),
     (["algorithm.loss=gspo_token"], r"algorithm.loss"),
+    (["algorithm.clip_ratio_c=1.0"], r"clip_ratio_c=1.0.*must be above 1"),
+    (["algorithm.loss=gspo", "algorithm.clip_ratio_c=3"], r"clip_ratio_c.*dual-clip.*gspo"),
 ])
 def test_config_refusals(overrides, needle):
     from engine.config.load import load_run_config
