@@ -127,8 +127,7 @@ def _check_device(cfg: RunConfig) -> str:
     from engine.device import check_device_config
     from engine.trainer.ray_cluster import ranks_elsewhere
 
-    if ranks_elsewhere(cfg.trainer.ray_address):
-        check_device_config(cfg, ranks_elsewhere=True)
+    if ranks_elsewhere(cfg.trainer.ray_address):  # the ranks check their own machines' hardware
         return f"trainer.device={cfg.trainer.device} (checked on the cluster's machines, not this one)"
     check_device_config(cfg)  # CUDA / FP8 hardware
     return f"trainer.device={cfg.trainer.device}"
