@@ -160,3 +160,38 @@ def test_ppo_critic_on_rank1_is_the_checkpoints_backbone_and_a_zero_head(built):
         for name, value in backbone.named_buffers():
             assert torch.equal(buffers[f"backbone.{name}"], value), name
         assert not params["value_head.weight"].any() and not params["value_head.bias"].any()
+
+
+def _build_fails(rank, world, paths):
+    try:
+        _build(rank, world, paths, [])
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), getattr(e, "title", None)
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", ["pickled", "truncated"])
+def test_when_rank0_cannot_read_the_model_every_rank_says_so(tmp_path, damage):
+    """Only rank 0 reads the weights, so only its read can fail; the other ranks must fail with it
+    (the same error: a UserError keeps its message and title) rather than wait in the broadcast
+    for gloo's 30-minute timeout. pickled: weights that need a global to unpickle (refused
+    unread, exit 2); truncated: a safetensors file cut short."""
+    import os
+
+    full, bare = _weights_only_on_rank0(tmp_path, "llama")
+    weights = next(full.glob("*.safetensors"))
+    if damage == "pickled":
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights))
+        weights.unlink()
+        torch.save({**state, "extra": os.getcwd}, full / "pytorch_model.bin")
+    else:
+        weights.write_bytes(weights.read_bytes()[:1000])
+    r0, r1 = run_ranks(_build_fails, 2, [str(full), str(bare)])
+    assert r0 is not None and r1 is not None, (r0, r1)
+    if damage == "pickled":
+        assert r0[0] == r1[0] == "ConfigError" and r0[1:] == r1[1:] and r0[2] == "unsafe model", (r0, r1)
+    else:
+        assert r1[0] == "RuntimeError" and r1[1].startswith("rank 0 could not build the model:"), r1

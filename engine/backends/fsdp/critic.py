@@ -9,7 +9,7 @@ import torch
 
 from engine.algorithms.value_loss import values_per_token
 from engine.backends.critic import Critic
-from engine.backends.fsdp.rank0_weights import full_state, reads_weights, receive_weights
+from engine.backends.fsdp.rank0_weights import built_on_every_rank, full_state, reads_weights, receive_weights
 from engine.backends.fsdp.units import decoder_blocks, use_cpu_matmul
 from engine.batch import SequenceBatch
 
@@ -46,9 +46,14 @@ class FSDPCritic(Critic):
         c = cfg.critic
 
         reads = reads_weights(engine.units, engine.world_size)  # else meta modules, filled from rank 0 (as the policy)
-        lm = build_hf_model(cfg.model, critic_model_dir(c.model_path, engine.model_path), engine.vocab_size,
-                            cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id, load_dtype=torch.float32,
-                            on_meta=not reads).float()
+
+        def build():
+            return build_hf_model(cfg.model, critic_model_dir(c.model_path, engine.model_path), engine.vocab_size,
+                                  cfg.trainer.seed, engine.pad_token_id, engine.eos_token_id,
+                                  load_dtype=torch.float32, on_meta=not reads).float()
+
+        shared = engine.units != "none" and engine.world_size > 1
+        lm = built_on_every_rank(build) if shared else build()
         with torch.device("meta" if not reads else "cpu"):
             model = ValueModel(lm.base_model, lm.config.hidden_size)  # the backbone, whatever the architecture names it
         del lm
@@ -56,7 +61,6 @@ class FSDPCritic(Critic):
         if engine.units == "none":
             model.to(engine.device)
         else:  # the policy's layout (engine/backends/fsdp/units.py fsdp_units); fully_shard moves each unit to the device
-            shared = engine.world_size > 1
             whole = full_state(model) if reads and shared else ({}, {})
             for layer in decoder_blocks(model.backbone) if engine.units == "layer" else []:
                 fully_shard(layer, mesh=engine.mesh, mp_policy=mp, reshard_after_forward=cfg.engine.reshard_after_forward)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from engine.algorithms.logprobs import token_log_probs
 from engine.backends.base import OffloadReport, TrainEngine
-from engine.backends.fsdp.rank0_weights import (full_state, reads_weights, receive_weights, share_rank0_object,
-                                                 share_rank0_rng)
+from engine.backends.fsdp.rank0_weights import (built_on_every_rank, full_state, reads_weights, receive_weights,
+                                                 share_rank0_object, share_rank0_rng)
 from engine.backends.fsdp.units import (check_fsdp_units, compile_decoder_blocks, decoder_blocks, eager_decoder_blocks,
                                         fsdp_units, set_gradient_sync, use_cpu_matmul)
 from engine.backends.prompt_sharing import grouped_logits, response_log_probs
@@ -56,8 +56,11 @@ class FSDPEngine(TrainEngine):
         check_fsdp_units(self.units, self.world_size, c.model.dtype)
         reads = reads_weights(self.units, self.world_size)  # else meta modules, filled from rank 0
         shared = self.units != "none" and self.world_size > 1
-        model = build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
-                               self.pad_token_id, self.eos_token_id, load_dtype=torch.float32, on_meta=not reads)
+        def build():
+            return build_hf_model(c.model, self.model_path, self.vocab_size, c.trainer.seed,
+                                  self.pad_token_id, self.eos_token_id, load_dtype=torch.float32, on_meta=not reads)
+
+        model = built_on_every_rank(build) if shared else build()
         if c.model.dtype != "float32":  # keep fp32 masters; compute in the low precision
             model = model.float()
         if c.engine.gradient_checkpointing:

@@ -15,8 +15,12 @@ sliced from its own identical copy before: runs are unchanged, bit for bit.
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def reads_weights(units: str, world_size: int) -> bool:
@@ -25,6 +29,37 @@ def reads_weights(units: str, world_size: int) -> bool:
     if units == "none" or world_size == 1 or not dist.is_initialized():
         return True
     return dist.get_rank() == 0
+
+
+def built_on_every_rank(build: Callable[[], T]) -> T:
+    """``build()`` on every rank -- rank 0 reads the weights, the others build meta modules -- and
+    whether it worked, agreed: a rank whose build raised (an unreadable or unsafe checkpoint is
+    read on rank 0 alone) raises its error, and every other rank raises the same one, instead of
+    waiting in the broadcast for weights that never come (gloo's timeout is 30 minutes)."""
+    from engine import errors
+
+    result, error = None, None
+    try:
+        result = build()
+    except Exception as e:  # noqa: BLE001 -- every rank must hear of it before anyone raises
+        error = e
+    said = None
+    if error is not None:
+        user = isinstance(error, errors.UserError)
+        said = (type(error).__name__ if user else None, getattr(error, "message", str(error)),
+                getattr(error, "title", None))
+    heard: list = [None] * dist.get_world_size()
+    dist.all_gather_object(heard, said)
+    if error is not None:
+        raise error
+    for rank, told in enumerate(heard):
+        if told is not None:
+            kind, message, title = told
+            cls = getattr(errors, kind, None) if kind else None
+            if isinstance(cls, type) and issubclass(cls, errors.UserError):  # the same one-paragraph answer
+                raise errors.UserError(message, title=title) if cls is errors.EnvironmentFailed else cls(message, title=title)
+            raise RuntimeError(f"rank {rank} could not build the model: {message}")
+    return result
 
 
 def full_state(model: torch.nn.Module | None) -> tuple[dict, dict]:
