@@ -234,13 +234,16 @@ def final_weights(run: Path, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Four 4-step runs of one config, all at once (most of a tiny run is start-up waiting):
-    sync, async with max_staleness=0, one_step_off (checkpoints at 2 and 4) and async with
-    max_staleness=2."""
+    """Five 4-step runs of one config, all at once (most of a tiny run is start-up waiting):
+    sync, async with max_staleness=0, one_step_off (checkpoints at 2 and 4), async with
+    max_staleness=2 (5 steps) and streamed (one group a chunk, DAPO's dynamic sampling, a KL
+    reference; checkpoints at 2 and 4)."""
     base = tmp_path_factory.mktemp("ahead")
     modes = {"sync": ["trainer.mode=sync"], "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
              "one_step_off": ["trainer.mode=one_step_off", "checkpoint.save_freq=2"],
-             "async2": ["trainer.mode=async", "trainer.max_staleness=2", "trainer.total_steps=5"]}
+             "async2": ["trainer.mode=async", "trainer.max_staleness=2", "trainer.total_steps=5"],
+             "streamed": ["trainer.mode=streamed", "trainer.stream_chunk_groups=1", "algorithm.dynamic_sampling=true",
+                          "algorithm.kl_coef=0.01", "checkpoint.save_freq=2"]}
     dirs = {name: base / name for name in modes}
     results = rl_concurrently(*[["train", *TINY, *modes[m], f"checkpoint.dir={dirs[m]}"] for m in modes],
                               timeout=900, env=ENV)
@@ -332,6 +335,41 @@ def test_one_step_off_resume_continues_exactly(runs, tmp_path):
     for x, y in zip(a[2:], b[2:]):
         assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
         assert x["staleness"] == y["staleness"]
+    wa, wb = final_weights(src, 4), final_weights(dst, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_streamed_trains_every_sample_on_the_weights_that_drew_it(runs):
+    """trainer.mode=streamed is on-policy: step k's rows were all sampled by the weights after
+    k - 1 updates (the worker's copy, which computes what the ranks do), through dynamic sampling's
+    rounds, and the update ran while groups were still arriving."""
+    r = rows(runs["streamed"])
+    assert [x["staleness"]["policy_version"] for x in r] == [0, 1, 2, 3]
+    for x in r:
+        assert x["staleness"]["max"] == 0 and x["staleness"]["rows_0"] == 16, x["staleness"]
+        assert x["algo"]["rollout_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert x["algo"]["rollout_ratio_min"] == pytest.approx(1.0, abs=1e-4)
+        assert x["algo"]["batch_rows"] == 16 and x["algo"]["dynamic_sampling_rounds"] >= 1
+        assert x["kl"] is not None
+        assert x["timing"]["update"] >= x["timing"]["update_after_rollout"] > 0
+
+
+@pytest.mark.slow
+def test_streamed_resume_continues_exactly(runs, tmp_path):
+    """Stopped after step 2's checkpoint and resumed: steps 3-4 and the final weights equal the
+    uninterrupted run's (nothing is in flight at a checkpoint; the worker's sampling stream is kept)."""
+    src = runs["streamed"]
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "step_4")
+    r = rl("resume", str(dst), timeout=900, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = rows(src), rows(dst)
+    assert [x["step"] for x in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
+        assert x["algo"] == y["algo"]
     wa, wb = final_weights(src, 4), final_weights(dst, 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 

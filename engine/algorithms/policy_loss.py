@@ -134,6 +134,26 @@ class PolicyLoss:
         kl_in_loss = self.cfg.kl_coef > 0 and self.cfg.use_kl_loss
         return not kl_in_loss and self.cfg.entropy_coef == 0
 
+    @property
+    def denominator(self) -> str:
+        """The global count the loss is divided by: ``tokens`` (token-mean) or ``seqs``."""
+        return "tokens" if self.cfg.loss_agg_mode == "token-mean" else "seqs"
+
+    def metric_denominator(self, key: str) -> str | None:
+        """The global count ``__call__`` divided metric ``key`` by (``tokens``, ``seqs``), or None
+        for an extreme (``*_min``/``*_max``) or an engine's count (``rows_skipped``). A streamed
+        update (trainer.mode=streamed) takes the loss with both counts at 1 and divides after the
+        last chunk; a metric this does not know is an error, never a silently wrong mean."""
+        if key.endswith(("_min", "_max")) or key == "rows_skipped":
+            return None
+        if key in ("pg_loss", "clip_frac", "dual_clip_frac", "rollout_kl", "kl"):  # through agg()
+            return self.denominator
+        if key in ("entropy", "rollout_ratio_mean", "rollout_ratio_sq_mean", "rollout_is_truncated_frac"):
+            return "tokens"  # token means whatever the loss aggregation
+        if key in ("seq_ratio_mean", "seq_clip_frac"):  # GSPO's sequence_ratio_metrics
+            return "seqs"
+        raise KeyError(f"PolicyLoss.metric_denominator: no rule for metric {key!r}")
+
     def __call__(self, log_p, entropy, mb, n_tokens: float, n_seqs: float):
         c = self.cfg
         mask = mb.response_mask

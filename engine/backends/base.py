@@ -200,23 +200,79 @@ class TrainEngine(ABC):
         of ``micro_batches`` through ``loss_of`` -> (loss, metrics) and backward, metrics added
         into ``sums``; then the gradient reduction, clipping and ``optimizer``'s step.
         ``stats``: the policy's (token counts, shapes; memory sampled at the gradients' peak)."""
-        policy = stats is not None
         self._begin_accumulation(model)
+        self._accumulate(model, micro_batches, loss_of, sums, stats)
+        return self._reduce_and_step(model, optimizer, clip, policy=stats is not None)
+
+    def _accumulate(self, model, micro_batches: list, loss_of, sums: dict, stats: StepStats | None) -> None:
+        """Forward and backward of each (micro-batch, layout), gradients added to what ``model``
+        holds; the last one's backward reduces them across ranks (FSDP2 on a CPU: the only one)."""
         for i, (mb, layout) in enumerate(micro_batches):
             with self._backward_scope(model, mb.batch, layout, last=i == len(micro_batches) - 1):
                 loss, metrics = loss_of(mb, layout)
                 loss.backward()  # inside the scope: checkpointed blocks recompute under it
-            if policy:
+            if stats is not None:
                 self._end_activation_offload()
                 stats.tokens += int(mb.real_tokens)
                 stats.padded_tokens += int(mb.padded_tokens)
                 stats.shapes.add(tuple(mb.shape))
             add_metrics(sums, metrics)
+
+    def _reduce_and_step(self, model, optimizer, clip: float, policy: bool = True,
+                         scale: float = 1.0) -> tuple[float, bool]:
+        """After the last backward: the gradient reduction, ``scale`` applied to every gradient
+        (a streamed update's normaliser), clipping and ``optimizer``'s step."""
         self._finish_gradients(model)
+        if scale != 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         if policy and self.tracker is not None:
             self.tracker.sample_state()  # gradients are live only until the step
         norm, finite = self._clip_and_step(model, optimizer, clip)
         return float(norm), bool(finite and math.isfinite(norm))
+
+    # ---- a streamed update (trainer.mode=streamed): the mini-batch arrives in chunks --------
+    def stream_begin(self) -> None:
+        """Start one optimizer step whose mini-batch arrives in chunks of whole prompt groups
+        (``stream_chunk``) and whose size is known only at the end (``stream_finish``)."""
+        self.model.train()
+        self._begin_accumulation(self.model)
+        self._streamed = (StepStats(), {})
+
+    def stream_chunk(self, chunk: SequenceBatch, loss_fn: LossFn) -> None:
+        """Forward and backward of this rank's share of one chunk. The loss is taken with both
+        global counts at 1 (a sum over tokens or sequences, not yet a mean): ``stream_finish``
+        divides the gradients and the metrics by the real counts, once every chunk has come."""
+        stats, sums = self._streamed
+        batch, idle = self._skip_idle_rows(chunk, loss_fn, 1.0, 1.0)
+        add_metrics(sums, idle)
+        self.model.train()
+        mbs = self._micro_batches(batch)
+        self._accumulate(self.model, list(zip(mbs, self._layouts(mbs))),
+                         lambda mb, layout: self._micro_batch_loss(mb, layout, loss_fn, 1.0, 1.0), sums, stats)
+
+    def stream_finish(self, n_tokens: float, n_seqs: float, loss_fn: LossFn) -> StepStats:
+        """The streamed step's optimizer step: gradients divided by the count the loss
+        aggregates over (``loss_fn.denominator``: response tokens or sequences of the whole
+        mini-batch, every rank's), metrics by theirs (``loss_fn.metric_denominator``), then
+        clipped and stepped as ``train_step`` does."""
+        stats, sums = self._streamed
+        self._streamed = None
+        counts = {"tokens": max(n_tokens, 1.0), "seqs": max(n_seqs, 1.0)}
+        grad_norm, finite = self._reduce_and_step(self.model, self._policy_optimizer(), self.cfg.optim.grad_clip,
+                                                  scale=1.0 / counts[loss_fn.denominator])
+        self.lr_scheduler.step()
+        self._updates += 1
+        self.bucket_policy.maybe_refresh(self._updates)
+        for key in list(sums):
+            per = loss_fn.metric_denominator(key)
+            if per is not None:
+                sums[key] /= counts[per]
+        stats.metrics = sums
+        stats.replicated = {"grad_norm": grad_norm, "lr": self.lr_scheduler.get_last_lr()[0],
+                            "nonfinite_updates": 0.0 if finite else 1.0}
+        return stats
 
     def _policy_optimizer(self):
         """What ``_clip_and_step`` steps for the policy (megatron: its optimizer wrapper)."""

@@ -30,9 +30,24 @@ def updates_per_step(cfg: RunConfig) -> int:
 
 def versions_ahead(cfg: RunConfig) -> int:
     """How many policy versions rollouts may run ahead of the update (trainer.mode): sync 0,
-    one_step_off 1, async trainer.max_staleness. 0 = the synchronous trainer, exactly."""
+    one_step_off 1, async trainer.max_staleness; streamed 0 (on-policy, on a rollout worker).
+    0 with mode sync = the synchronous trainer, exactly."""
     t = cfg.trainer
-    return {"sync": 0, "one_step_off": 1}.get(t.mode, t.max_staleness)
+    return {"sync": 0, "one_step_off": 1, "streamed": 0}.get(t.mode, t.max_staleness)
+
+
+def uses_rollout_worker(cfg: RunConfig) -> bool:
+    """Whether the rollout runs on a rollout worker apart from the ranks (every mode but sync's;
+    async with max_staleness=0 is the sync trainer and has none)."""
+    return versions_ahead(cfg) > 0 or cfg.trainer.mode == "streamed"
+
+
+def stream_chunk_groups(cfg: RunConfig) -> int:
+    """trainer.mode=streamed: prompt groups per chunk (trainer.stream_chunk_groups; 0 = a quarter of
+    the batch), at least enough for one row on every rank."""
+    n, ranks = cfg.algorithm.rollout_n, cfg.trainer.nprocs
+    want = cfg.trainer.stream_chunk_groups or -(-cfg.data.train_batch_size // 4)
+    return max(want, -(-ranks // n))
 
 
 def rollout_is_level(cfg: RunConfig) -> str:

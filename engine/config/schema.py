@@ -75,14 +75,20 @@ class TrainerConfig:
     mode: str = _f("sync", "sync: each step's rollout waits for the previous update (on-policy); one_step_off: the "
                            "next step's rollout runs during this step's update, on the weights before it (every "
                            "sample one version stale); async: rollouts run up to trainer.max_staleness versions "
-                           "ahead. The off-sync modes sample in a separate rollout worker holding its own copy of "
-                           "the policy, synced after each update (docs/async.md)",
-                   choices=["sync", "one_step_off", "async"])
+                           "ahead; streamed: on-policy as sync, the rollout sampled apart from the ranks, which "
+                           "update on each chunk of prompt groups as soon as its samples have ended. The modes "
+                           "other than sync sample in a separate rollout worker holding its own copy of the "
+                           "policy, synced after each update (docs/async.md)",
+                   choices=["sync", "one_step_off", "async", "streamed"])
     max_staleness: int = _f(1, "async: how many policy versions a sample may lag the weights it is trained from "
                                "(0 = no rollout ahead: the sync trainer exactly). Each version ahead is a batch "
                                "queued on the rollout worker, and the run's last steps queue theirs too (a resume "
                                "that extends the run trains on them), so at most 32", min=0, max=32,
                             only_for={"trainer.mode": ("async",)})
+    stream_chunk_groups: int = _f(0, "streamed: prompt groups per chunk the ranks update on as they complete (each "
+                                     "chunk one forward and backward per micro-batch on every rank); 0 = a quarter of "
+                                     "data.train_batch_size, at least one row per rank", min=0,
+                                  only_for={"trainer.mode": ("streamed",)})
     stream_groups: bool = _f(False, "sync, torch rollout: score each prompt group as soon as all its samples have "
                                     "ended, while the ranks decode the rest; the run is the same as without it, "
                                     "only the reward waits less (docs/async.md)")

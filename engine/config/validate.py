@@ -429,9 +429,11 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
 
         check_stream_groups(cfg)
     if cfg.trainer.mode != "sync":
-        from engine.config.async_rules import check_rollout_ahead
+        from engine.config.async_rules import check_rollout_ahead, check_streamed
 
         check_rollout_ahead(cfg)
+        if cfg.trainer.mode == "streamed":
+            check_streamed(cfg)
     # whether this machine can run the config (CUDA, FP8 hardware) is checked where torch is
     # already loaded: engine.device.check_device_config, before a run starts
 

@@ -213,6 +213,30 @@ class RolloutAhead:
                 d.for_step = step + len(self.queue)  # (a batch past the last step is kept for a resume, not scored)
                 d.scoring = self._scoring.submit(self._score_when_sampled, d, d.for_step)
 
+    def stream_groups(self, k: int):
+        """trainer.mode=streamed: the next ``k`` prompts, sampled now with the weights loaded last.
+        Yields ``(prompt indices, samples seen once drawn)`` first, then each prompt group as
+        ``(position in the prompts, SequenceBatch)`` as soon as its samples have ended, and last
+        the worker's stats (with ``version``)."""
+        import ray
+
+        from engine.trainer.ray_cluster import timeout_error
+
+        idx = self.stream.next_indices(k)
+        yield idx, self.stream.pos.samples_seen
+        gen = self.actor.generate_stream.options(num_returns="streaming").remote([self.prompts[i] for i in idx],
+                                                                                 self.n)
+        while True:
+            ready, _ = ray.wait([gen], num_returns=1, timeout=self.timeout)
+            if not ready:
+                raise timeout_error(self.timeout, "the rollout worker's rollout")
+            try:
+                ref = next(gen)
+            except StopIteration:
+                return
+            item = get(ref, self.timeout, "the rollout worker's rollout")
+            yield item if isinstance(item, dict) else (item[0] // self.n, item[1])
+
     def _score_when_sampled(self, d: Draw, step: int):
         d.wait(self.timeout)
         d.arrived = time.perf_counter()

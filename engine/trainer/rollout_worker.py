@@ -1,4 +1,4 @@
-"""The rollout worker: a Ray actor that samples ahead of the update (trainer.mode=one_step_off|async).
+"""The rollout worker: a Ray actor that samples apart from the ranks (trainer.mode=one_step_off|async|streamed).
 
 It holds its own copy of the policy -- a plain Hugging Face model read by the torch sampler, or a
 vLLM engine (rollout=vllm) -- and its own sampling generator. The driver loads the ranks' weights
@@ -100,6 +100,19 @@ class RolloutWorker:
         self.sampler.sleep()
         return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                        "rss_peak": rss_peak_bytes(), "version": self.version}
+
+    def generate_stream(self, prompts: list[list[int]], n: int):
+        """``generate``'s rows as ``(first row, SequenceBatch)`` pieces, each prompt group yielded
+        as soon as all its samples have ended (the torch sampler), then the stats (trainer.mode=
+        streamed: the ranks update on the groups that are complete while the rest decode). Called
+        as a Ray streaming generator (RolloutAhead.stream_groups)."""
+        from engine.trainer.worker import rss_peak_bytes
+
+        t0 = time.perf_counter()  # (the sampler sets no-grad around each decode step, never across a yield)
+        yield from self.sampler.generate_pieces(self.model, prompts, n, self.generator, stream=True)
+        self.sampler.sleep()
+        yield {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
+               "rss_peak": rss_peak_bytes(), "version": self.version}
 
     def rng_state(self):
         """The sampling generator's state (a uint8 tensor): what a checkpoint keeps of this worker."""

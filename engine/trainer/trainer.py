@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -22,7 +22,7 @@ from engine import json_safe
 from engine.algorithms.alarms import AlarmMonitor
 from engine.checkpoint.layout import TMP_PREFIX, step_dir_name
 from engine.algorithms.staleness import rollout_ratio_metrics, staleness_record, versions_behind
-from engine.config.resolved import mini_batch_prompts, updates_per_step, versions_ahead
+from engine.config.resolved import mini_batch_prompts, updates_per_step, uses_rollout_worker, versions_ahead
 from engine.config.schema import RunConfig
 from engine.data.fingerprint import write_record as write_dataset_record
 from engine.errors import UserError
@@ -83,7 +83,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
         if resume is None:
             tracking = Tracking(cfg, run_dir)  # loggers open in the background while the ranks start
         ahead = None  # trainer.mode=one_step_off|async: the rollout worker's schedule (engine/trainer/rollout_ahead.py)
-        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1 + (versions_ahead(cfg) > 0),
+        with ray_cluster(cfg.trainer.ray_address, num_cpus=cfg.trainer.nprocs + 1 + uses_rollout_worker(cfg),
                          connect_timeout_s=cfg.trainer.ray_connect_timeout_s) as (_, ray_target):
             with phase(on_event, "load_model", _load_label(cfg, inputs), total_bytes=_model_bytes(inputs.model_path)):
                 workers = WorkerGroup(cfg, run_dir)  # launched: each rank starts and imports torch
@@ -101,7 +101,7 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
                         start_step = carry_out(resume, workers, stream)
                     tracking = Tracking(cfg, run_dir, resume_step=start_step, logged_through=logged_through)
                 rdir.carry_rows_after(start_step if resume is not None else -1)  # the next checkpoints' rows.json
-                if versions_ahead(cfg):
+                if uses_rollout_worker(cfg):
                     ahead = start_rollout_ahead(cfg, inputs, workers, stream, start_step, resume)
                 plan = _plan(cfg, inputs, workers, start_step, changed or {}, run_dir)
                 plan.ray, plan.placement = ray_target.describe(), workers.placement
@@ -236,81 +236,31 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
     timing = {}
     t0 = time.perf_counter()
 
-    # 1-2. rollout (n samples per prompt, prompt-major) and reward; DAPO's dynamic sampling
-    # rolls out further prompts until the batch holds train_batch_size informative groups
+    # 1-5. rollout and reward, advantages, the update (rollout_then_update: one after the other;
+    # trainer.mode=streamed: the update starts on the first complete prompt groups)
     workers.onload(step)
-    n = cfg.algorithm.rollout_n
     gen_stats: list = []
     scores: list = []
-    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores, step,  # noqa: E731
-                                        ahead)
-    sampling = None
-    if cfg.algorithm.dynamic_sampling:
-        from engine.algorithms.dynamic_sampling import dynamic_sample
+    if cfg.trainer.mode == "streamed":  # 1-5 at once: the ranks update on each chunk of groups as it completes
+        from engine.trainer.streamed_update import streamed_step
 
-        ro, sampling = dynamic_sample(draw, cfg.data.train_batch_size, n, cfg.algorithm.dynamic_sampling_max_rounds,
-                                      inputs.vocab["pad"])
+        done = streamed_step(cfg, inputs, workers, stream, step, ahead, timing, gen_stats, scores)
     else:
-        ro = draw(cfg.data.train_batch_size)
-    batch, rewards = ro.batch, ro.rewards
+        done = rollout_then_update(cfg, inputs, workers, stream, step, ahead, timing, gen_stats, scores)
+    ro, sampling, est, batch, rewards = done.rollout, done.sampling, done.estimate, done.rollout.batch, done.rollout.rewards
     correct = sum(ro.correct) / len(ro.correct) if ro.correct is not None else None
-    if ahead is not None:  # each row's age, for the loss's clip against the weights that sampled it
-        batch.versions_behind = versions_behind(ro.versions, step, batch.response_mask)
-    if ahead is not None:  # the next steps' rollouts run on the rollout worker during this update
-        ahead.queue_ahead(step)
-
-    # 3. reference log-probs (KL), then advantages (the estimator algorithm.name names)
-    t = time.perf_counter()
-    kl_tok = None
-    if cfg.algorithm.kl_coef > 0:
-        from engine.algorithms.policy_loss import kl_penalty
-
-        batch.ref_log_probs = workers.log_probs(batch, ref=True)
-        kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
-    ppo = cfg.algorithm.name == "ppo"
-    if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
-        batch.values = workers.values(batch)
-    timing["log_probs"] = time.perf_counter() - t
-    from engine.algorithms.estimators import compute_advantages
-
-    est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok, values=batch.values,
-                             max_len=cfg.rollout.max_new_tokens)
-    batch.advantages, batch.returns = est.advantages, est.returns
-    kl_reward = est.metrics.get("kl_reward") if kl_tok is not None and not cfg.algorithm.use_kl_loss else None
-
-    # 4. old log-probs
-    t = time.perf_counter()
-    mini, n_updates = mini_batch_prompts(cfg), updates_per_step(cfg)
-    if n_updates > 1:  # with one update per step, old == current policy exactly
-        batch.old_log_probs = workers.log_probs(batch, ref=False)
-    routing = {}
-    if cfg.algorithm.router_replay != "off":  # MoE: rollout-vs-trainer routing and log-prob gap
-        from engine.moe.routing_metrics import RoutingSums, summarize
-
-        routing = summarize(RoutingSums(**workers.routing_report(batch)))
-    timing["log_probs"] += time.perf_counter() - t
-
-    # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each;
-    # PPO: a critic step on each mini-batch too, and only the critic during critic.warmup_steps
-    update_policy = not ppo or step > cfg.critic.warmup_steps
-    t = time.perf_counter()
+    ppo, update_policy, n_updates, routing, kl_reward = (done.ppo, done.update_policy, done.n_updates, done.routing,
+                                                          done.kl_reward)
     totals: dict[str, float] = {}
     tokens = padded = 0
     shapes: set = set()
     peak = max(s["rss_peak"] for s in gen_stats)
-    rows_per_mini = mini * n
-    for _epoch in range(cfg.algorithm.ppo_epochs):
-        for start in range(0, len(batch), rows_per_mini):
-            mb = batch.select(slice(start, start + rows_per_mini))
-            results = ([workers.critic_train_step(mb)] if ppo else []) + \
-                ([workers.train_step(mb)] if update_policy else [])
-            for res in results:
-                add_metrics(totals, res.metrics)
-                tokens += res.tokens
-                padded += res.padded_tokens
-                shapes.update(res.shapes)
-                peak = max(peak, res.rss_peak)
-    timing["update"] = time.perf_counter() - t
+    for res in done.results:
+        add_metrics(totals, res.metrics)
+        tokens += res.tokens
+        padded += res.padded_tokens
+        shapes.update(res.shapes)
+        peak = max(peak, res.rss_peak)
     if ahead is not None:  # version `step` to the rollout worker, behind the rollouts queued above
         ahead.load_version(step)
         timing["weight_sync"] = ahead.sync_s
@@ -368,6 +318,90 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         response_clip_frac=truncated_fraction(batch, cfg.rollout.max_new_tokens, inputs.vocab["ends"]),
         samples_per_s=len(batch) / max(step_time, 1e-9), mem_peaks=memory_peaks(memory), samples=samples,
         staleness=staleness_record(ro.versions, step) if ahead is not None else {})
+
+
+@dataclass
+class Updated:
+    """Steps 1-5 of one RL step: the rollout trained on, its advantages, and the update's results."""
+
+    rollout: Rollout                  # the batch (with advantages), its rewards, correctness, versions
+    sampling: object                  # DynamicSamplingStats, or None
+    estimate: object                  # engine.algorithms.estimators.Advantages of the batch
+    results: list                     # UpdateResult per optimizer step (policy and critic)
+    n_updates: int = 1
+    ppo: bool = False
+    update_policy: bool = True
+    routing: dict = field(default_factory=dict)
+    kl_reward: float | None = None
+
+
+def rollout_then_update(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, step: int, ahead,
+                        timing: dict, gen_stats: list, scores: list) -> Updated:
+    """Steps 1-5 one after the other: the whole batch's rollout and rewards, reference log-probs,
+    advantages, old log-probs, then ppo_epochs x mini-batches of updates."""
+    n = cfg.algorithm.rollout_n
+    draw = lambda k: rollout_and_reward(cfg, inputs, workers, stream, k, timing, gen_stats, scores, step,  # noqa: E731
+                                        ahead)
+    # 1-2. rollout (n samples per prompt, prompt-major) and reward; DAPO's dynamic sampling
+    # rolls out further prompts until the batch holds train_batch_size informative groups
+    sampling = None
+    if cfg.algorithm.dynamic_sampling:
+        from engine.algorithms.dynamic_sampling import dynamic_sample
+
+        ro, sampling = dynamic_sample(draw, cfg.data.train_batch_size, n, cfg.algorithm.dynamic_sampling_max_rounds,
+                                      inputs.vocab["pad"])
+    else:
+        ro = draw(cfg.data.train_batch_size)
+    batch, rewards = ro.batch, ro.rewards
+    if ahead is not None:  # each row's age, for the loss's clip against the weights that sampled it
+        batch.versions_behind = versions_behind(ro.versions, step, batch.response_mask)
+    if ahead is not None:  # the next steps' rollouts run on the rollout worker during this update
+        ahead.queue_ahead(step)
+
+    # 3. reference log-probs (KL), then advantages (the estimator algorithm.name names)
+    t = time.perf_counter()
+    kl_tok = None
+    if cfg.algorithm.kl_coef > 0:
+        from engine.algorithms.policy_loss import kl_penalty
+
+        batch.ref_log_probs = workers.log_probs(batch, ref=True)
+        kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
+    ppo = cfg.algorithm.name == "ppo"
+    if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
+        batch.values = workers.values(batch)
+    timing["log_probs"] = time.perf_counter() - t
+    from engine.algorithms.estimators import compute_advantages
+
+    est = compute_advantages(cfg.algorithm, rewards, batch.response_mask, n, kl=kl_tok, values=batch.values,
+                             max_len=cfg.rollout.max_new_tokens)
+    batch.advantages, batch.returns = est.advantages, est.returns
+    kl_reward = est.metrics.get("kl_reward") if kl_tok is not None and not cfg.algorithm.use_kl_loss else None
+
+    # 4. old log-probs
+    t = time.perf_counter()
+    mini, n_updates = mini_batch_prompts(cfg), updates_per_step(cfg)
+    if n_updates > 1:  # with one update per step, old == current policy exactly
+        batch.old_log_probs = workers.log_probs(batch, ref=False)
+    routing = {}
+    if cfg.algorithm.router_replay != "off":  # MoE: rollout-vs-trainer routing and log-prob gap
+        from engine.moe.routing_metrics import RoutingSums, summarize
+
+        routing = summarize(RoutingSums(**workers.routing_report(batch)))
+    timing["log_probs"] += time.perf_counter() - t
+
+    # 5. policy update: ppo_epochs x mini-batches (whole prompt groups), one optimizer step each;
+    # PPO: a critic step on each mini-batch too, and only the critic during critic.warmup_steps
+    update_policy = not ppo or step > cfg.critic.warmup_steps
+    t = time.perf_counter()
+    results = []
+    rows_per_mini = mini * n
+    for _epoch in range(cfg.algorithm.ppo_epochs):
+        for start in range(0, len(batch), rows_per_mini):
+            mb = batch.select(slice(start, start + rows_per_mini))
+            results += ([workers.critic_train_step(mb)] if ppo else []) + \
+                ([workers.train_step(mb)] if update_policy else [])
+    timing["update"] = time.perf_counter() - t
+    return Updated(ro, sampling, est, results, n_updates, ppo, update_policy, routing, kl_reward)
 
 
 def rollout_and_reward(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, k: int,

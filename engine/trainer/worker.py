@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config.resolved import ResolvedRun
+from engine.config.resolved import ResolvedRun, uses_rollout_worker
 from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
 from engine.memory.oom import oom_guard
@@ -280,18 +280,46 @@ class RankWorker:
         with self.tracker.phase("old_log_probs", self.step):  # a log-prob pass too
             return self.engine.routing_report(batch)
 
-    def train_step(self, batch: SequenceBatch) -> dict:
+    def _policy_loss(self):
         from engine.algorithms.policy_loss import OffPolicy, PolicyLoss
 
+        # report: pi_theta / pi_rollout when another copy of the policy sampled (the rollout worker)
+        return PolicyLoss(self.cfg.algorithm, self.dp_size, OffPolicy(
+            self.run.rollout_is, self.run.behavior_ratio, uses_rollout_worker(self.cfg)))
+
+    def train_step(self, batch: SequenceBatch) -> dict:
         t0 = time.perf_counter()
         if self._max_threads:
             adapt_threads(self._max_threads)
         with self.tracker.phase("update", self.step):
-            stats = self.engine.train_step(batch, PolicyLoss(self.cfg.algorithm, self.dp_size, OffPolicy(
-                self.run.rollout_is, self.run.behavior_ratio, self.run.versions_ahead > 0)))
+            stats = self.engine.train_step(batch, self._policy_loss())
         self._weights_stale = not self.sampler.reads_live_model
-        return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens, "padded_tokens": stats.padded_tokens,
-                "shapes": sorted(stats.shapes), "time": time.perf_counter() - t0, "rss_peak": rss_peak_bytes()}
+        return self._update_result(stats, time.perf_counter() - t0)
+
+    def _update_result(self, stats, seconds: float) -> dict:
+        return {"metrics": stats.metrics, "replicated": stats.replicated, "tokens": stats.tokens,
+                "padded_tokens": stats.padded_tokens, "shapes": sorted(stats.shapes), "time": seconds,
+                "rss_peak": rss_peak_bytes()}
+
+    # trainer.mode=streamed: one optimizer step over chunks of prompt groups sent as they complete
+    def stream_begin(self) -> None:
+        if self._max_threads:
+            adapt_threads(self._max_threads)
+        self._stream_s = 0.0
+        self.engine.stream_begin()
+
+    def stream_chunk(self, chunk: SequenceBatch) -> None:
+        t0 = time.perf_counter()
+        with self.tracker.phase("update", self.step):
+            self.engine.stream_chunk(chunk, self._policy_loss())
+        self._stream_s += time.perf_counter() - t0
+
+    def stream_finish(self, n_tokens: float, n_seqs: float) -> dict:
+        t0 = time.perf_counter()
+        with self.tracker.phase("update", self.step):
+            stats = self.engine.stream_finish(n_tokens, n_seqs, self._policy_loss())
+        self._weights_stale = not self.sampler.reads_live_model
+        return self._update_result(stats, self._stream_s + time.perf_counter() - t0)
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """PPO: the critic's V(tokens < t) on the response tokens (no grad)."""

@@ -56,6 +56,17 @@ def shard_slices(n: int, parts: int) -> list[slice]:
     return out
 
 
+def empty_share(batch: SequenceBatch) -> SequenceBatch:
+    """Its first row with no response token and no advantage: loss, gradient and metrics 0."""
+    import torch
+
+    row = batch.select([0])
+    row.response_mask = torch.zeros_like(row.response_mask)
+    if row.advantages is not None:
+        row.advantages = torch.zeros_like(row.advantages)
+    return row
+
+
 def wire_bytes(obj) -> int:
     """Size of ``obj`` as pickled (what Ray serialises for an actor call's argument or result)."""
     return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -338,6 +349,34 @@ class WorkerGroup:
         slices = shard_slices(len(batch), self.dp_size)
         shards = [batch.select(s) for s in slices]
         outs = self._all(RankWorker.train_step, self._dp_args(shards), "the policy update")
+        return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
+
+    # trainer.mode=streamed (engine/trainer/streamed_update.py): one optimizer step, its batch in chunks
+    def stream_begin(self) -> None:
+        self._all(RankWorker.stream_begin, [()] * len(self.actors), "the policy update")
+        self._chunks: list = []
+
+    def stream_chunk(self, chunk: SequenceBatch) -> None:
+        """Hand the ranks one chunk of whole prompt groups, split as ``train_step`` splits a batch,
+        and return at once: each rank runs its chunks in the order sent while the driver takes in
+        the next groups (``stream_finish`` waits for them). A rank whose share would be empty gets
+        one row with no response tokens, which adds nothing, so that every rank runs the same
+        forwards (FSDP's collectives)."""
+        slices = shard_slices(len(chunk), self.dp_size)
+        shards = [chunk.select(s) if s.stop > s.start else empty_share(chunk) for s in slices]
+        args = self._dp_args(shards)
+        self.bytes_sent += sum(wire_bytes(a) for a in args)
+        self._chunks.append([a.stream_chunk.remote(*x) for a, x in zip(self.actors, args)])
+
+    def stream_finish(self, n_tokens: float, n_seqs: float):
+        """The step's optimizer step, once every rank has run every chunk; ``n_tokens``/``n_seqs``:
+        the whole batch's response tokens and rows. Returns the combined UpdateResult."""
+        from engine.trainer.rank_results import combine_update
+
+        for refs in self._chunks:
+            self._collect(refs, "the policy update")
+        self._chunks = []
+        outs = self._all(RankWorker.stream_finish, [(n_tokens, n_seqs)] * len(self.actors), "the policy update")
         return combine_update(outs, [self.dp_leaders[d] for d in range(self.dp_size)])
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
