@@ -11,7 +11,7 @@
 #   4. activation offload: peak memory and step time with and without, long sequence
 #                (bench/gpu_check_activation_offload.sh)
 #   5. train:    `rl train` on CUDA, `rl resume` bit-exactness (3 + resume = 6 straight, metrics and
-#                every DCP entry), PPO, LoRA, `--engine megatron` fp32 and bf16, trainer.mode=one_step_off;
+#                every DCP entry), PPO, LoRA, `--engine megatron` fp32 and bf16, trainer.mode=one_step_off and streamed;
 #                a summary table (bench/gpu_check_train.sh)
 #   6. bench:    bench/gpu_bench.py: rl's rollout and update beside a plain HF loop, 135m and 0.5b,
 #                bf16, tokens/s, MFU, peak memory, update seconds for 1-8 rows; JSON to

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the commands users run (issue 40): `rl train` on CUDA, `rl resume` exactness, PPO,
-# LoRA, `--engine megatron`, trainer.mode=one_step_off (single- and multi-turn); one summary table. Called from
+# LoRA, `--engine megatron`, trainer.mode=one_step_off (single- and multi-turn) and streamed; one summary table. Called from
 # bench/gpu_check.sh; runs alone too (CPU smoke: GPU_CHECK_DEVICE=cpu bash bench/gpu_check_train.sh).
 #
 # Resume exactness: two straight 6-step runs must be bit-identical (else the device is not
@@ -40,6 +40,7 @@ one megatron_bf16 120 train --engine megatron "${BASE[@]}" model.dtype=bfloat16 
 one one_step_off 120 train "${BASE[@]}" trainer.mode=one_step_off trainer.total_steps=4 checkpoint.dir="$WORK/osp" &
 one one_step_off_tools 120 train "${BASE[@]}" task=tool_add rollout.max_turns=3 trainer.mode=one_step_off \
     trainer.total_steps=4 checkpoint.dir="$WORK/ospt" &
+one streamed 120 train "${BASE[@]}" trainer.mode=streamed trainer.total_steps=4 checkpoint.dir="$WORK/str" &
 wait
 grep -qv $'\t0\t' "$SUMMARY" && status=1
 mkdir -p "$WORK/r" && cp -r "$WORK/a/." "$WORK/r/" && rm -rf "$WORK/r/step_6"
@@ -118,6 +119,13 @@ if ospt:
     print(f"one_step_off multi-turn staleness per step: {st}; turns {[r['algo'].get('agent_turns_mean') for r in ospt]}; "
           f"step-1 ratio max {ospt[0]['algo'].get('rollout_ratio_max')}")
     ok = ok and st == [0, 1, 1, 1]
+strm = rows("str")  # trainer.mode=streamed: on-policy, the update on groups as they complete
+if strm:
+    st = [r.get("staleness", {}).get("max") for r in strm]
+    print(f"streamed staleness per step: {st}; ratio max {[r['algo'].get('rollout_ratio_max') for r in strm]}; "
+          f"update after the rollout {[round(r['timing'].get('update_after_rollout', 0), 3) for r in strm]} s "
+          f"of {[round(r['timing'].get('update', 0), 3) for r in strm]}")
+    ok = ok and st == [0, 0, 0, 0]
 for name in ("train", "ppo", "lora", "mg", "mgbf"):
     r = rows(name if name != "train" else "a")
     if r:

@@ -13,7 +13,9 @@ Each (job, mode) is one real `rl train`; the figures are medians over its steps 
 (start-up and the first rollout, which nothing can overlap, left out): the step's wall time, the
 rollout's own sampling time, the time the step waited for a queued rollout (`rollout_wait`), the
 time it waited for rewards (`reward`) and the scoring done while it did something else
-(`reward_ahead`), the update, the weight export to the rollout worker, and the ratio of the step time to sync's measured
+(`reward_ahead`), the update and what of it came after the rollout's end (`upd-tail`: all of it
+but in trainer.mode=streamed, whose update starts on the first complete groups), the weight export
+to the rollout worker, and the ratio of the step time to sync's measured
 in the same invocation. `default` is `rl train`'s embedded job; `shape256` is bench/learning.py's
 `reverse` job (a 3.4M-parameter Llama, hidden 256, 8 prompts x 8 samples, 32 new tokens: the
 shape bench/vs_trl.py calls `base`); `tools` is the built-in multi-turn `tool_add` task (8 prompts x 8
@@ -36,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
          "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
-         "sync_stream": ["trainer.mode=sync", "trainer.stream_groups=true"]}
+         "sync_stream": ["trainer.mode=sync", "trainer.stream_groups=true"],
+         "streamed": ["trainer.mode=streamed"]}
 SLOW_REWARD = """import time
 from learning_reward import rl_reward as _reward
 
@@ -111,6 +114,8 @@ def run(job: str, mode: str, args, work: Path) -> dict:
             "reward_s": med(lambda r: r["timing"].get("reward", 0.0)),
             "reward_ahead_s": med(lambda r: r["timing"].get("reward_ahead", 0.0)),
             "update_s": med(lambda r: r["timing"].get("update", 0.0)),
+            # what the step still waited for the update once the rollout had ended (streamed: its tail)
+            "tail_s": med(lambda r: r["timing"].get("update_after_rollout", r["timing"].get("update", 0.0))),
             "sync_s": med(lambda r: r["timing"].get("weight_sync", 0.0)),
             "reward_last5": statistics.mean(r["reward_mean"] for r in rows[-5:]),
             "staleness_max": max((r.get("staleness") or {}).get("max", 0) for r in rows)}
@@ -139,12 +144,12 @@ def main() -> None:
                   flush=True)
     print(f"\n{args.steps} steps; medians of steps 3..{args.steps}; extra: {' '.join(args.rl_extra) or '-'}")
     print(f"{'job':9s} {'mode':13s} {'s/step':>7s} {'vs sync':>8s} {'rollout':>8s} {'waited':>7s} {'update':>7s} "
-          f"{'w-sync':>7s} {'stale':>6s} {'reward':>7s}")
+          f"{'upd-tail':>8s} {'w-sync':>7s} {'stale':>6s} {'reward':>7s}")
     for r in results:
         base = next((x for x in results if x["job"] == r["job"] and x["mode"] == "sync"), None)
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
         print(f"{r['job']:9s} {r['mode']:13s} {r['step_s']:7.3f} {ratio:>8s} {r['rollout_s']:8.3f} {r['wait_s']:7.3f} "
-              f"{r['update_s']:7.3f} {r['sync_s']:7.3f} {r['staleness_max']:6d} {r['reward_last5']:7.3f}")
+              f"{r['update_s']:7.3f} {r['tail_s']:8.3f} {r['sync_s']:7.3f} {r['staleness_max']:6d} {r['reward_last5']:7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

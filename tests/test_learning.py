@@ -36,9 +36,11 @@ def job(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,mode", [(0, "sync"), (1, "sync"), (0, "one_step_off")])
+@pytest.mark.parametrize("seed,mode", [(0, "sync"), (1, "sync"), (0, "one_step_off"), (0, "streamed")])
 def test_rl_learns_to_stop(job, seed, mode, tmp_path):
-    """(one_step_off: every sample after step 1 one policy version old, docs/async.md; it must still learn)"""
+    """(one_step_off: every sample after step 1 one policy version old; streamed: the update runs on
+    chunks of prompt groups as they complete, the normaliser applied at the end; docs/async.md. Each
+    must still learn)"""
     from bench.learning import rl_overrides
 
     work, job_dir = job

@@ -78,6 +78,7 @@ def test_the_declared_rules_are_the_expected_ones():
         **{f"critic.{k}": {"algorithm": ("ppo",)} for k in
            ("model_path", "lr", "weight_decay", "grad_clip", "cliprange_value", "warmup_steps")},
         "trainer.max_staleness": {"trainer.mode": ("async",)},
+        "trainer.stream_chunk_groups": {"trainer.mode": ("streamed",)},
     }
 
 
@@ -189,4 +190,12 @@ def test_the_code_that_reads_each_key_belongs_to_its_option():
     # max_staleness is read where the mode says how far ahead to sample, for async alone
     from engine.config.resolved import versions_ahead
 
-    assert '{"sync": 0, "one_step_off": 1}.get(t.mode, t.max_staleness)' in inspect.getsource(versions_ahead)
+    assert '{"sync": 0, "one_step_off": 1, "streamed": 0}.get(t.mode, t.max_staleness)' in \
+        inspect.getsource(versions_ahead)
+    # stream_chunk_groups: read by stream_chunk_groups(), which only the streamed step calls
+    from engine.config.resolved import stream_chunk_groups
+
+    assert "cfg.trainer.stream_chunk_groups" in inspect.getsource(stream_chunk_groups)
+    callers = [p for p in (Path(__file__).resolve().parents[1] / "engine").rglob("*.py")
+               if "stream_chunk_groups(" in p.read_text()]
+    assert sorted(p.name for p in callers) == ["resolved.py", "streamed_update.py"]
