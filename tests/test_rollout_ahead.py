@@ -321,20 +321,31 @@ def test_one_step_off_resume_continues_exactly(runs, tmp_path):
     """Stopped after step 2's checkpoint and resumed: steps 3-4 and the final state equal the
     uninterrupted run's; the checkpoint held step 3's rollouts, sampled ahead at version 1."""
     src = runs["one_step_off"]
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "step_4")
+    dst = _without_step_4(src, tmp_path)
     queue = torch.load(dst / "step_2" / "rollout_queue.pt", weights_only=True)
     assert len(queue["queue"]) == 1 and queue["queue"][0]["stats"]["version"] == 1
     shown = rl("inspect-ckpt", str(dst / "step_2"), env=ENV)
     assert "4 prompts sampled, not yet trained (trainer.mode=one_step_off)" in shown.stdout, shown.stdout
+    _resume_equals_straight(src, dst, "staleness")
+
+
+def _without_step_4(src: Path, tmp_path: Path) -> Path:
+    """A copy of run ``src`` stopped after step 2's checkpoint (its rows past it are truncated on resume)."""
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "step_4")
+    return dst
+
+
+def _resume_equals_straight(src: Path, dst: Path, also: str) -> None:
+    """`rl resume dst`: steps 3-4 (TRAINED and the rows' ``also``) and the final weights equal ``src``'s."""
     r = rl("resume", str(dst), timeout=900, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     a, b = rows(src), rows(dst)
     assert [x["step"] for x in b] == [1, 2, 3, 4]
     for x, y in zip(a[2:], b[2:]):
         assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
-        assert x["staleness"] == y["staleness"]
+        assert x[also] == y[also]
     wa, wb = final_weights(src, 4), final_weights(dst, 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -360,18 +371,7 @@ def test_streamed_resume_continues_exactly(runs, tmp_path):
     """Stopped after step 2's checkpoint and resumed: steps 3-4 and the final weights equal the
     uninterrupted run's (nothing is in flight at a checkpoint; the worker's sampling stream is kept)."""
     src = runs["streamed"]
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "step_4")
-    r = rl("resume", str(dst), timeout=900, env=ENV)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    a, b = rows(src), rows(dst)
-    assert [x["step"] for x in b] == [1, 2, 3, 4]
-    for x, y in zip(a[2:], b[2:]):
-        assert {k: x[k] for k in TRAINED} == {k: y[k] for k in TRAINED}, x["step"]
-        assert x["algo"] == y["algo"]
-    wa, wb = final_weights(src, 4), final_weights(dst, 4)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    _resume_equals_straight(src, _without_step_4(src, tmp_path), "algo")
 
 
 @pytest.mark.slow
