@@ -16,8 +16,8 @@ def check_rollout_ahead(cfg: RunConfig) -> None:
     if cfg.algorithm.router_replay != "off":
         raise ConfigError(
             f"`{mode}` with `algorithm.router_replay={cfg.algorithm.router_replay}` is not supported: the rollout "
-            f"worker that samples apart from the ranks does not record each token's experts. Use trainer.mode=sync, or set "
-            f"algorithm.router_replay=off.", title="invalid config")
+            f"worker that samples apart from the ranks does not record each token's experts. Use "
+            f"trainer.mode=sync, or set algorithm.router_replay=off.", title="invalid config")
     a = cfg.algorithm
     if a.off_policy_ratio == "behavior" and a.rollout_is in ("token", "sequence") and versions_ahead(cfg):
         raise ConfigError(

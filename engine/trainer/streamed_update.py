@@ -147,7 +147,8 @@ def streamed_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStre
     result = workers.stream_finish(float(ro.batch.response_mask.sum()), float(len(ro.batch)))
     end = time.perf_counter()
     if len(versions) != 1:
-        raise RuntimeError(f"one streamed step's rounds were sampled with different policy versions: {sorted(versions)}")
+        raise RuntimeError(f"one streamed step's rounds were sampled with different policy versions: "
+                           f"{sorted(versions)}")
     ro.versions = [versions.pop()] * len(ro.batch)
 
     # the whole batch's advantages are the chunks' (each group's own), computed again for the metrics

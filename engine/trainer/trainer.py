@@ -247,7 +247,8 @@ def rl_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, st
         done = streamed_step(cfg, inputs, workers, stream, step, ahead, timing, gen_stats, scores)
     else:
         done = rollout_then_update(cfg, inputs, workers, stream, step, ahead, timing, gen_stats, scores)
-    ro, sampling, est, batch, rewards = done.rollout, done.sampling, done.estimate, done.rollout.batch, done.rollout.rewards
+    ro, sampling, est = done.rollout, done.sampling, done.estimate
+    batch, rewards = ro.batch, ro.rewards
     correct = sum(ro.correct) / len(ro.correct) if ro.correct is not None else None
     ppo, update_policy, n_updates, routing, kl_reward = (done.ppo, done.update_policy, done.n_updates, done.routing,
                                                           done.kl_reward)
