@@ -54,6 +54,12 @@ class DynamicSamplingStats:
     padded_groups: int          # zero-variance groups used to top the batch up (0 when filled)
 
 
+def next_draw_size(target: int, have: int, good: int, drawn: int) -> int:
+    """Prompts to draw next: the groups still missing scaled by the keep rate seen so far (at least
+    1 / target), at most ``target``."""
+    return min(target, math.ceil((target - have) / max(good / drawn, 1.0 / target)))
+
+
 def dynamic_sample(draw: Callable[[int], Rollout], target: int, n: int, max_rounds: int,
                    pad_token_id: int = 0) -> tuple[Rollout, DynamicSamplingStats]:
     """Call ``draw(k)`` (k prompts -> their k*n sampled, rewarded rows) until ``target``
@@ -76,8 +82,7 @@ def dynamic_sample(draw: Callable[[int], Rollout], target: int, n: int, max_roun
             kept.append(ro.groups(take, n))
             have += len(take)
         flat.append(ro.groups([g for g in range(k) if zero[g]], n))
-        rate = max(good / drawn, 1.0 / target)
-        k = min(target, math.ceil((target - have) / rate))
+        k = next_draw_size(target, have, good, drawn)
     padded = 0
     if have < target:  # out of rounds: top up with groups that carry no signal
         spare = Rollout.concat(flat, pad_token_id)

@@ -30,6 +30,12 @@ def kl_penalty(log_p: torch.Tensor, log_ref: torch.Tensor, kind: str) -> torch.T
     return k3
 
 
+def batch_kl(batch, kind: str) -> torch.Tensor:
+    """Per-token KL(sampler || reference) on ``batch``'s response tokens ([B, T], 0 elsewhere):
+    what a KL term in the reward adds per token."""
+    return kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, kind) * batch.response_mask
+
+
 def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch.Tensor,
                         clip_low: float, clip_high: float,
                         versions_behind: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,6 @@ order). Checkpoints hold no rollout in flight: a step's stream ends before its c
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -75,12 +74,12 @@ class ChunkSender:
         b, a = part.batch, self.cfg.algorithm
         kl = None
         if a.kl_coef > 0:
-            from engine.algorithms.policy_loss import kl_penalty
+            from engine.algorithms.policy_loss import batch_kl
 
             t = time.perf_counter()
             b.ref_log_probs = self.workers.log_probs(b, ref=True)  # behind the chunks already sent
             self.ref_s += time.perf_counter() - t
-            kl = kl_penalty(b.rollout_log_probs, b.ref_log_probs, a.kl_type) * b.response_mask
+            kl = batch_kl(b, a.kl_type)
         est = compute_advantages(a, part.rewards, b.response_mask, a.rollout_n, kl=kl,
                                  max_len=self.cfg.rollout.max_new_tokens)
         b.advantages, b.returns = est.advantages, est.returns
@@ -96,7 +95,8 @@ def streamed_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStre
     ``rollout`` (the worker's own sampling time), ``reward`` (scoring, on the driver, between the
     groups' arrivals), ``update`` (from the first chunk sent to the optimizer step's end) and
     ``update_after_rollout`` (what the step still waited for the ranks once the last group had come)."""
-    from engine.algorithms.dynamic_sampling import DynamicSamplingStats, Rollout
+    from engine.algorithms.dynamic_sampling import DynamicSamplingStats, Rollout, next_draw_size
+    from engine.algorithms.policy_loss import batch_kl
     from engine.algorithms.estimators import compute_advantages, zero_variance_groups
     from engine.trainer.trainer import Updated, score_rollout
 
@@ -137,7 +137,7 @@ def streamed_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStre
                     kept += 1
         rounds += 1
         drawn += k
-        k = min(target, math.ceil((target - kept) / max(good / drawn, 1.0 / target)))
+        k = next_draw_size(target, kept, good, drawn)
     last_group_at = time.perf_counter()
     padded = min(target - kept, len(set_aside))
     for group in set_aside[:padded]:  # out of rounds: groups that carry no signal fill the batch
@@ -153,7 +153,8 @@ def streamed_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStre
 
     # the whole batch's advantages are the chunks' (each group's own), computed again for the metrics
     est = compute_advantages(a, ro.rewards, ro.batch.response_mask, n,
-                             kl=_kl(cfg, ro.batch) if a.kl_coef > 0 else None, max_len=cfg.rollout.max_new_tokens)
+                             kl=batch_kl(ro.batch, a.kl_type) if a.kl_coef > 0 else None,
+                             max_len=cfg.rollout.max_new_tokens)
     timing["reward"] = timing.get("reward", 0.0) + reward_s
     timing["log_probs"] = chunks.ref_s
     timing["update"] = end - (chunks.first_sent_at or end)
@@ -162,8 +163,3 @@ def streamed_step(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStre
     kl_reward = est.metrics.get("kl_reward") if a.kl_coef > 0 and not a.use_kl_loss else None
     return Updated(ro, sampling, est, [result], kl_reward=kl_reward)
 
-
-def _kl(cfg: RunConfig, batch):
-    from engine.algorithms.policy_loss import kl_penalty
-
-    return kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask

@@ -363,10 +363,10 @@ def rollout_then_update(cfg: RunConfig, inputs: RunInputs, workers, stream: Prom
     t = time.perf_counter()
     kl_tok = None
     if cfg.algorithm.kl_coef > 0:
-        from engine.algorithms.policy_loss import kl_penalty
+        from engine.algorithms.policy_loss import batch_kl
 
         batch.ref_log_probs = workers.log_probs(batch, ref=True)
-        kl_tok = kl_penalty(batch.rollout_log_probs, batch.ref_log_probs, cfg.algorithm.kl_type) * batch.response_mask
+        kl_tok = batch_kl(batch, cfg.algorithm.kl_type)
     ppo = cfg.algorithm.name == "ppo"
     if ppo:  # the critic's values before this step's update: GAE's baseline and value clipping's anchor
         batch.values = workers.values(batch)
