@@ -221,16 +221,20 @@ def _step(engine_cls, cfg, rank, world):
             None if st is None else st.to_json())
 
 
-def _plain_and_offloaded(rank, world, engine, checkpointing):
-    """One optimizer step from the same seed without and with activation offload, same process."""
+def _plain_and_offloaded(rank, world, engine):
+    """One optimizer step from the same seed without and with activation offload, for gradient
+    checkpointing off and on: {checkpointing: [plain, offloaded]}, all four in one process."""
     if engine == "megatron":
         from engine.backends.megatron.engine import MegatronEngine as cls
     else:
         from engine.backends.fsdp import FSDPEngine as cls
-    base = [f"engine={engine}", "engine.micro_batch_size=2", f"engine.gradient_checkpointing={checkpointing}",
-            "model.num_layers=2"]
-    return [_step(cls, load_run_config(base + extra).config, rank, world)
-            for extra in ([], ["engine.activation_offload=true"])]
+    out = {}
+    for checkpointing in ("false", "true"):
+        base = [f"engine={engine}", "engine.micro_batch_size=2", f"engine.gradient_checkpointing={checkpointing}",
+                "model.num_layers=2"]
+        out[checkpointing] = [_step(cls, load_run_config(base + extra).config, rank, world)
+                              for extra in ([], ["engine.activation_offload=true"])]
+    return out
 
 
 def _assert_identical(results):
@@ -243,17 +247,20 @@ def _assert_identical(results):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("checkpointing", ["false", "true"])
-def test_fsdp_step_is_bit_identical_with_activation_offload(world, checkpointing):
-    stats = _assert_identical(run_ranks(_plain_and_offloaded, world, "fsdp", checkpointing))
-    assert all(st["modules"] == 2 for st in stats)   # one per decoder layer (the default)
+def test_fsdp_step_is_bit_identical_with_activation_offload(world):
+    """With and without gradient checkpointing (one spawn of the ranks for both)."""
+    per_rank = run_ranks(_plain_and_offloaded, world, "fsdp")
+    for checkpointing in ("false", "true"):
+        stats = _assert_identical([r[checkpointing] for r in per_rank])
+        assert all(st["modules"] == 2 for st in stats), checkpointing  # one per decoder layer (the default)
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("checkpointing", ["false", "true"])
-def test_megatron_tp1_step_is_bit_identical_with_activation_offload(checkpointing):
+def test_megatron_tp1_step_is_bit_identical_with_activation_offload():
     pytest.importorskip("megatron.core")
-    stats = _assert_identical(run_ranks(_plain_and_offloaded, 1, "megatron", checkpointing))
-    # without recompute one module per layer; with full recompute the block whose checkpoint
-    # keeps each layer's inputs
-    assert stats[0]["modules"] == (1 if checkpointing == "true" else 2)
+    per_rank = run_ranks(_plain_and_offloaded, 1, "megatron")
+    for checkpointing in ("false", "true"):
+        stats = _assert_identical([r[checkpointing] for r in per_rank])
+        # without recompute one module per layer; with full recompute the block whose checkpoint
+        # keeps each layer's inputs
+        assert stats[0]["modules"] == (1 if checkpointing == "true" else 2), checkpointing
