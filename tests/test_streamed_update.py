@@ -98,29 +98,36 @@ def _by_hand(weights, batch, agg):
     return grads, {"pg_loss": float(pg), "entropy": float((ent.detach() * m).sum() / m.sum()), "clip_frac": 0.0}
 
 
-@pytest.mark.parametrize("agg, worlds", [("token-mean", (1, 2)), ("seq-mean-token-mean", (2,))])
-def test_streamed_gradient_is_the_whole_batch_gradient_by_the_formula(agg, worlds):
+def _streamed_each(rank, world, batch, aggs):
+    """``_streamed`` for each loss aggregation in ``aggs``, in one process (one spawn of the ranks)."""
+    return [_streamed(rank, world, batch, agg) for agg in aggs]
+
+
+def test_streamed_gradient_is_the_whole_batch_gradient_by_the_formula():
+    """token-mean on 1 and 2 ranks, seq-mean-token-mean on 2."""
     batch = _batch()
-    for world in worlds:
-        out = run_ranks(_streamed, world, batch, agg)
-        before, grads, _, norm = out[0]
-        metrics = {}
-        for rank in out:  # each rank reports its share of the global aggregate (engine/metric_sums.py)
-            add_metrics(metrics, rank[2])
-        want, want_metrics = _by_hand(before, batch, agg)
-        matched = 0
-        for name, g in grads.items():
-            key = next((k for k in want if name.endswith(k)), None)
-            assert key is not None, name
-            assert torch.allclose(g, want[key], atol=1e-6, rtol=1e-4), (world, name, (g - want[key]).abs().max())
-            matched += 1
-        assert matched == len(want)
-        assert norm == pytest.approx(float(torch.sqrt(sum((g ** 2).sum() for g in want.values()))), rel=1e-4)
-        for k, v in want_metrics.items():
-            assert metrics[k] == pytest.approx(v, abs=1e-5), (world, k)
-        assert metrics["rows_skipped"] == 1  # row 3 (advantage 0) ran no backward
-        if world == 2:
-            assert all(torch.equal(grads[k], out[1][1][k]) for k in grads)  # every rank the same step
+    for world, aggs in ((1, ("token-mean",)), (2, ("token-mean", "seq-mean-token-mean"))):
+        per_rank = run_ranks(_streamed_each, world, batch, aggs)
+        for i, agg in enumerate(aggs):
+            out = [r[i] for r in per_rank]
+            before, grads, _, norm = out[0]
+            metrics = {}
+            for rank in out:  # each rank reports its share of the global aggregate (engine/metric_sums.py)
+                add_metrics(metrics, rank[2])
+            want, want_metrics = _by_hand(before, batch, agg)
+            matched = 0
+            for name, g in grads.items():
+                key = next((k for k in want if name.endswith(k)), None)
+                assert key is not None, name
+                assert torch.allclose(g, want[key], atol=1e-6, rtol=1e-4), (world, agg, name, (g - want[key]).abs().max())
+                matched += 1
+            assert matched == len(want)
+            assert norm == pytest.approx(float(torch.sqrt(sum((g ** 2).sum() for g in want.values()))), rel=1e-4)
+            for k, v in want_metrics.items():
+                assert metrics[k] == pytest.approx(v, abs=1e-5), (world, agg, k)
+            assert metrics["rows_skipped"] == 1  # row 3 (advantage 0) ran no backward
+            if world == 2:
+                assert all(torch.equal(grads[k], out[1][1][k]) for k in grads)  # every rank the same step
 
 
 def test_every_metric_of_the_loss_has_a_denominator():
