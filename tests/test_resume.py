@@ -492,7 +492,7 @@ def test_resume_reshards_world_size(straight1, straight2, tmp_path, direction):
     resumed step within 0.05 of the uninterrupted run's)."""
     src, now = (straight2, 1) if direction == "2->1" else (straight1, 2)
     run = stopped_after(src, tmp_path / "run", 2)
-    plan = json.loads(rl("resume", str(run), f"trainer.nprocs={now}", "--dry-run", "--json").stdout)
+    plan = json.loads(_cli("resume", str(run), f"trainer.nprocs={now}", "--dry-run", "--json").stdout)  # driver only: in process
     assert (plan["world_size_then"], plan["world_size_now"]) == (3 - now, now)
     if now == 2:
         assert plan["rng"][1]["source"] is None
