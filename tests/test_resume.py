@@ -566,7 +566,7 @@ def _session_pids(sid: int) -> list[int]:
 
 def kill9(proc: subprocess.Popen) -> None:
     """SIGKILL the run and everything it started (Ray's processes share its session)."""
-    os.kill(proc.pid, signal.SIGKILL)
+    proc.kill()  # SIGKILL, unless the run already ended and was reaped (wait_for's poll): then its pid may be another's
     proc.wait()
     deadline = time.time() + 60
     while (left := _session_pids(proc.pid)) and time.time() < deadline:
