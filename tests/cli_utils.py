@@ -14,6 +14,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the suite's shared small run (the `small_run` fixture, tests/conftest.py): 2 steps of the default
+# job, 4 prompts x 2 samples, every row trained
+SMALL_RUN = ["trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
+             "engine.skip_zero_advantage_rows=false"]
+
+
 def flat(text: str) -> str:
     """Rich panel text as one line: box characters dropped, whitespace collapsed."""
     return " ".join(re.sub(r"[│╭╮╰╯─┃┏┓┗┛━┡┩╇┳┻]", " ", text).split())

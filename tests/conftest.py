@@ -104,6 +104,38 @@ def _alone_or_shared(request):
             os.close(gate)
 
 
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """One small real `rl train` of the default job (``SMALL_RUN``: 2 steps, 4 prompts x 2 samples,
+    every row trained, checkpoints at the default frequency), made once per test run and shared by
+    both xdist workers: the tests that only read a real run's files (mem-report, the checkpoint
+    damage cases, the override fuzzing) use it. Read-only: a test that changes files copies it.
+    The first worker to get here trains it under an exclusive lock; the other waits and reuses it."""
+    import subprocess
+    import sys
+
+    from tests.cli_utils import SMALL_RUN
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common dir
+    run = root / "small-run" / "ckpt"
+    fd = _lock(str(root / "small-run.lock"), fcntl.LOCK_EX)
+    try:
+        if not (run.parent / "done").exists():
+            import shutil
+
+            shutil.rmtree(run.parent, ignore_errors=True)  # a failed earlier attempt
+            run.parent.mkdir(parents=True)
+            r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", *SMALL_RUN, f"checkpoint.dir={run}"],
+                               capture_output=True, text=True, timeout=600, cwd=run.parent,
+                               env={**os.environ, "PYTHONPATH": REPO})
+            assert r.returncode == 0, r.stderr[-3000:]
+            (run.parent / "done").write_text("")
+    finally:
+        os.close(fd)
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _forget_env_values():
     """Values read from the environment are hidden from every later message of the process

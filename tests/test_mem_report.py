@@ -16,6 +16,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from tests.cli_utils import SMALL_RUN
+
 GiB = 1 << 30
 
 # Public Qwen2.5-7B architecture (its config.json, abridged): what `model.path=/models/Qwen2.5-7B` reads.
@@ -190,17 +192,16 @@ def _assert_estimate_agrees(report: dict) -> None:
 
 
 @pytest.mark.slow
-def test_mem_report_reads_a_real_training_run(tmp_path):
+def test_mem_report_reads_a_real_training_run(small_run):
     """A short real `rl train` writes memory.jsonl; `rl mem-report <run dir>` puts the estimate
     for its config, at the sequence length the run had, beside what it measured, per phase x
     category, and agrees within the issue's tolerances; a step_N/ path reads the same run."""
-    d = tmp_path / "ckpt"
-    # the estimate is for a step that trains every row: keep the update from skipping the rows
-    # of groups whose samples scored the same (engine/backends/zero_advantage.py), which this
-    # tiny job (2 samples a prompt) has at most steps and which then save their activations
-    r = rl("train", "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
-           "engine.skip_zero_advantage_rows=false", f"checkpoint.dir={d}", "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the suite's shared small run (tests/conftest.py, 2 steps of 4 prompts x 2 samples). The
+    # estimate is for a step that trains every row, so that run keeps the update from skipping the
+    # rows of groups whose samples scored the same (engine/backends/zero_advantage.py), which this
+    # tiny job has at most steps and which then save their activations
+    assert "engine.skip_zero_advantage_rows=false" in SMALL_RUN
+    d = small_run
 
     table = mem_report(str(d))
     assert table.exit_code == 0, table.output
