@@ -111,10 +111,7 @@ def small_run(tmp_path_factory):
     both xdist workers: the tests that only read a real run's files (mem-report, the checkpoint
     damage cases, the override fuzzing) use it. Read-only: a test that changes files copies it.
     The first worker to get here trains it under an exclusive lock; the other waits and reuses it."""
-    import subprocess
-    import sys
-
-    from tests.cli_utils import SMALL_RUN
+    from tests.cli_utils import SMALL_RUN, rl
 
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common dir
@@ -126,9 +123,7 @@ def small_run(tmp_path_factory):
 
             shutil.rmtree(run.parent, ignore_errors=True)  # a failed earlier attempt
             run.parent.mkdir(parents=True)
-            r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", *SMALL_RUN, f"checkpoint.dir={run}"],
-                               capture_output=True, text=True, timeout=600, cwd=run.parent,
-                               env={**os.environ, "PYTHONPATH": REPO})
+            r = rl("train", *SMALL_RUN, f"checkpoint.dir={run}", cwd=run.parent)
             assert r.returncode == 0, r.stderr[-3000:]
             (run.parent / "done").write_text("")
     finally:
