@@ -164,3 +164,24 @@ def test_read_only_file_system_during_a_run_stops_cleanly(tmp_path):
         _assert_stopped_cleanly(r, d, "read-only", writable=False)
     finally:
         _umount(mnt)
+
+
+def test_sigterm_landing_while_an_oserror_is_handled_stays_a_stop_not_a_write_failure(tmp_path):
+    """A SIGTERM just after a save renamed .tmp-step_N into place can land while the main thread
+    handles that path's FileNotFoundError (a `.exists()` of the renamed directory): SystemExit(143)
+    then carries the OSError as its __context__. The run guard must let the stop through (exit 143,
+    as Ctrl-C), not report "run stopped: write failed" (exit 2), which CI once saw."""
+    from engine.config.load import load_run_config
+    from engine.sigterm import TERMINATED_EXIT
+    from engine.trainer.run_guard import guarded_run
+
+    run = tmp_path / "run"
+    cfg = load_run_config(["trainer.total_steps=1", f"checkpoint.dir={run}"]).config
+    with pytest.raises(SystemExit) as e:
+        with guarded_run(cfg, run, overrides=[], resume=None, env_refs=None, on_event=lambda _: None):
+            try:
+                (run / ".tmp-step_1" / "x").stat()
+            except FileNotFoundError:
+                raise SystemExit(TERMINATED_EXIT)  # what engine/sigterm.py's handler raises
+    assert e.value.code == TERMINATED_EXIT
+    assert isinstance(e.value.__context__, FileNotFoundError)

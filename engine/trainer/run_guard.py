@@ -122,7 +122,10 @@ def guarded_run(cfg: RunConfig, run_dir: Path, *, overrides: list[str], resume, 
     except BaseException as e:
         failed = True
         err = None
-        if not isinstance(e, (UserError, KeyboardInterrupt)):
+        # a stop the user asked for (Ctrl-C; SIGTERM's SystemExit(143), engine/sigterm.py) is not a
+        # disk error, even when it lands while an OSError is being handled (a stat of a .tmp-step_N
+        # that a save had just renamed), which its __context__ then carries
+        if not isinstance(e, (UserError, KeyboardInterrupt, SystemExit)):
             err = disk_error_in(e) or file_system_problem(run_dir, report.estimated_checkpoint_bytes)
         if err is not None:
             _remove_unfinished_saves(run_dir)
