@@ -18,6 +18,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
+
+from engine.algorithms.logprobs import token_log_probs
 import torch.nn.functional as F
 
 from engine.config.schema import MegatronEngineConfig, ModelConfig, RunConfig
@@ -56,9 +58,8 @@ def _train_step(model, opt, tracker, ids, mask):
         out = model(input_ids=ids, attention_mask=mask, use_cache=False)
     with tracker.saved_tensors("logits") as m:
         m.add(out.logits)
-        logp = torch.log_softmax(out.logits.float(), dim=-1)
-        tok = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    loss = -(tok * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        tok, _ = token_log_probs(out.logits, ids)
+    loss = -(tok * mask).sum() / mask[:, 1:].sum()
     loss.backward()
     tracker.sample_state()
     opt.step()

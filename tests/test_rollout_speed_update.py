@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.algorithms.logprobs import token_log_probs
-from engine.backends.prompt_sharing import grouped_logits, response_log_probs
+from engine.algorithms.logprobs import position_log_probs, token_log_probs
+from engine.backends.prompt_sharing import grouped_logits
 from engine.batching.prompt_groups import group_prompts, to_response_columns
 from engine.config.load import load_run_config
 from engine.config.schema import ModelConfig
@@ -67,7 +67,7 @@ def test_grouped_log_probs_and_gradients_equal_plain_forward():
 
     groups = group_prompts(batch, PAD)
     cols = to_response_columns(batch, groups)
-    lp, _ = response_log_probs(grouped_logits(model, groups, "cpu"), cols.input_ids, 0.7)
+    lp, _ = position_log_probs(grouped_logits(model, groups, "cpu"), cols.input_ids, 0.7)
     lp = lp * cols.response_mask
     assert torch.allclose(lp, (plain * batch.response_mask).gather(1, groups.cols) * groups.response_mask, atol=1e-5)
     grouped_loss = (lp * cols.advantages).sum()

@@ -111,8 +111,10 @@ class TrainEngine(ABC):
         """[B, T, V] logits of ``model`` on ``batch`` (megatron: this rank's vocab slice)."""
 
     @abstractmethod
-    def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool):
-        """(log-probs [B, T], entropy [B, T] | None) of ``input_ids`` under ``logits``."""
+    def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool,
+                         entropy_grad: bool = True):
+        """(log-probs [B, T], entropy [B, T] | None) of ``input_ids`` under ``logits``
+        (engine/algorithms/logprobs.py; the entropy differentiable only when ``entropy_grad``)."""
 
     @abstractmethod
     def _micro_batch_loss(self, mb, layout, loss_fn: LossFn, n_tokens: float, n_seqs: float):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.algorithms.logprobs import entropy_from_log_probs
 from engine.batching.prompt_groups import PromptGroups
 from engine.model.hf_cache import cache_kwarg, returned_cache
 
@@ -53,16 +52,3 @@ def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
                  position_ids=groups.response_positions[:, :fed].to(dev), use_cache=True,
                  **{cache_kwarg(model): cache})
     return torch.cat([first, out2.logits], dim=1)
-
-
-def response_log_probs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float = 1.0,
-                       with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``grouped_logits`` [b, R, V] -> log p(response token j) as [b, R] (and the entropy of each
-    position's distribution), the response-column twin of engine.algorithms.logprobs.token_log_probs."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    lp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
-    ent = entropy_from_log_probs(logp_all, entropy_grad) if with_entropy else None
-    return lp, ent

@@ -337,6 +337,10 @@ class EngineConfig:
     skip_zero_advantage_rows: bool = _f(True, "skip the forward+backward of rows whose advantage is 0 on every "
                                               "token (groups whose samples all scored the same) when the loss has "
                                               "no KL or entropy term: the same gradient, metrics from a no-grad pass")
+    logprob_chunk_tokens: int = _f(1024, "log-probs and entropy of the update and the no-grad passes computed this "
+                                         "many token positions at a time in fp32 from logits kept in the model's "
+                                         "dtype: the fp32 [tokens, vocab] working set is this many rows, whatever "
+                                         "the micro-batch (engine/algorithms/logprobs.py)", min=1)
     fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)",
                    only_for={"engine": ("megatron",)})
     compile: bool = _f(False, "fsdp: torch.compile each decoder block's forward for the update (generation "

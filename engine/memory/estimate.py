@@ -25,8 +25,10 @@ Bytes per category (``engine.memory.report.CATEGORIES``):
 - activations: what the HF Llama forward saves for backward, per decoder layer (derived
   from, and checked against, ``saved_tensors_hooks`` on the real model; see
   ``hf_llama_activation_bytes``), for one micro-batch at the configured token budget.
-- logits: [tokens, vocab] buffers: logits, their fp32 copy (when bf16), the saved
-  log-softmax (and softmax for the entropy bonus); / TP.
+- logits: the [tokens, vocab] logits in the model's dtype, which the log-prob function keeps
+  for backward (engine/algorithms/logprobs.py); its fp32 working set of
+  ``engine.logprob_chunk_tokens`` rows lives only while a chunk is computed (counted in the
+  no-grad passes, where it sits on top of the logits); / TP.
 - fp8_workspaces: TE FP8 copies (rowwise + columnwise, 1 B each) of every Linear weight on
   the rank when ``engine.fp8``.
 - kv_cache: 2 (K, V) x layers x kv_heads x head_dim x dtype x tokens for the sequences the
@@ -514,11 +516,14 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
                              f"{e.activation_offload_host_cache_limit_gb} GiB), 2 layers in flight on the device")
     tokens = seqs_cp * t_cp
     v_rank = math.ceil(dims.vocab_size / lay.tp)
-    n_buf_train = (a + (4 if a != 4 else 0) + 4 + (4 if run_cfg.algorithm.entropy_coef > 0 else 0))
-    logits_train = tokens * v_rank * n_buf_train
-    logits_eval = tokens * v_rank * (a + (4 if a != 4 else 0) + 4)
-    f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {n_buf_train} B (logits{', fp32 copy' if a != 4 else ''}, "
-                   f"log-softmax{', softmax for entropy' if run_cfg.algorithm.entropy_coef > 0 else ''})")
+    # engine/algorithms/logprobs.py keeps only the logits (model dtype) for backward and works in
+    # fp32 on chunks of positions (z and exp(z - max): 8 B per element), freed chunk by chunk
+    chunk = min(tokens, e.logprob_chunk_tokens) * v_rank * 8
+    logits_train = tokens * v_rank * a
+    logits_eval = tokens * v_rank * a + chunk
+    f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {a} B (the logits, kept for backward; the log-probs "
+                   f"are computed {min(tokens, e.logprob_chunk_tokens):,} positions at a time in fp32, a "
+                   f"{_fmt(chunk)} working set that lives only while each chunk is computed)")
     uses_fp8 = e.fp8 and e.name == "megatron"  # only megatron builds TE layers (fsdp refuses fp8)
     fp8 = 2 * lin_rank if uses_fp8 else 0
     if uses_fp8:

@@ -8,7 +8,7 @@
                 out = model(mb.input_ids, attention_mask=mb.attention_mask)
             with tracker.saved_tensors("logits") as m:  # log-prob buffers
                 m.add(out.logits)
-                logp = torch.log_softmax(out.logits.float(), -1)
+                lp, _ = token_log_probs(out.logits, mb.input_ids)
             loss.backward()
             tracker.sample_state()                      # grads are live now
         optimizer.step()

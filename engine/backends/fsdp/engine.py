@@ -16,13 +16,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from engine.algorithms.logprobs import token_log_probs
+from engine.algorithms.logprobs import position_log_probs, token_log_probs
 from engine.backends.base import OffloadReport, TrainEngine
 from engine.backends.fsdp.rank0_weights import (built_on_every_rank, full_state, reads_weights, receive_weights,
                                                  share_rank0_object, share_rank0_rng)
 from engine.backends.fsdp.units import (check_fsdp_units, compile_decoder_blocks, decoder_blocks, eager_decoder_blocks,
                                         fsdp_units, set_gradient_sync, use_cpu_matmul)
-from engine.backends.prompt_sharing import grouped_logits, response_log_probs
+from engine.backends.prompt_sharing import grouped_logits
 from engine.backends.schedule import build_optimizer
 from engine.batch import SequenceBatch
 from engine.batching.microbatch import zero_weight_twin
@@ -243,8 +243,9 @@ class FSDPEngine(TrainEngine):
         return rr.take().reshape(batch.input_ids.shape + (rr.layout.layers, rr.layout.top_k))
 
     # ---- the update loop's hooks (engine/backends/base.py) -------------------------------
-    def _token_log_probs(self, logits, input_ids, with_entropy: bool):
-        return token_log_probs(logits, input_ids.to(self.device), self.cfg.rollout.temperature, with_entropy)
+    def _token_log_probs(self, logits, input_ids, with_entropy: bool, entropy_grad: bool = True):
+        return token_log_probs(logits, input_ids.to(self.device), self.cfg.rollout.temperature, with_entropy,
+                               entropy_grad, chunk_tokens=self.cfg.engine.logprob_chunk_tokens)
 
     def _forward_scope(self, model, batch: SequenceBatch, layout=None):
         return self._replay(batch, model, layout)
@@ -278,14 +279,14 @@ class FSDPEngine(TrainEngine):
         if self.activation_offload is not None:
             self.activation_offload.meter = None  # counted; backward must not find the meter holding tensors
         lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
-        lp_fn = response_log_probs if groups is not None else token_log_probs
+        lp_fn = position_log_probs if groups is not None else token_log_probs  # grouped: column j predicts id j
         ids = lp_batch.input_ids.to(self.device)
         with self._measure("logits", key and key + (loss_fn.needs_entropy,)) as meter:
             if meter is not None:
                 meter.add(logits)
-            # entropy: in the loss (a bonus) or only a metric (from the same log-softmax, no graph)
+            # entropy: in the loss (a bonus) or only a metric (the same pass, no graph)
             lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
-                            entropy_grad=loss_fn.needs_entropy)
+                            entropy_grad=loss_fn.needs_entropy, chunk_tokens=self.cfg.engine.logprob_chunk_tokens)
         return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
 
     # ---- rollout ------------------------------------------------------------------------

@@ -277,13 +277,16 @@ class MegatronEngine(TrainEngine):
         if hasattr(inner, "set_is_first_microbatch"):
             inner.set_is_first_microbatch()
 
-    def _token_log_probs(self, logits, ids, with_entropy: bool):
-        from engine.backends.megatron.vocab_parallel import token_log_probs_tp
+    def _token_log_probs(self, logits, ids, with_entropy: bool, entropy_grad: bool = True):
+        """Over this rank's vocabulary slice (engine/algorithms/logprobs.py: three all-reduces
+        over the tensor-parallel group; no rank ever holds the whole vocabulary's logits)."""
+        from engine.algorithms.logprobs import token_log_probs
 
         v_local = logits.shape[-1]
-        return token_log_probs_tp(logits, ids.to(self.device), self.tp_rank * v_local, self.arch.vocab_size,
-                                  self.tp_group if self.tp_size > 1 else None, self.cfg.rollout.temperature,
-                                  with_entropy)
+        return token_log_probs(logits, ids.to(self.device), self.cfg.rollout.temperature, with_entropy, entropy_grad,
+                               chunk_tokens=self.cfg.engine.logprob_chunk_tokens,
+                               vocab_start=self.tp_rank * v_local, vocab_size=self.arch.vocab_size,
+                               group=self.tp_group if self.tp_size > 1 else None)
 
     def _micro_batches(self, batch: SequenceBatch, observe: bool = True):
         """Micro-batches of this DP group's rows. Dense models need no agreement across DP
@@ -349,8 +352,8 @@ class MegatronEngine(TrainEngine):
             self.activation_offload.meter = None  # counted; backward must not find the meter holding tensors
         if self.tracker is not None:
             self.tracker.record_tensors("logits", logits)
-        lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy=True)
-        return loss_fn(lp, ent if loss_fn.needs_entropy else ent.detach(), mb.batch.to(self.device), n_tokens, n_seqs)
+        lp, ent = self._token_log_probs(logits, mb.batch.input_ids, True, entropy_grad=loss_fn.needs_entropy)
+        return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
 
     def _finish_gradients(self, model) -> None:
         # DP all-reduce of main_grad (finish_grad_sync) plus, under sequence parallelism, the

@@ -139,7 +139,7 @@ def te_available() -> bool:
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """Megatron's vocab-parallel embedding needs the vocab to split evenly over TP ranks;
-    the extra rows are zero and masked out of every softmax (see vocab_parallel.py)."""
+    the extra rows are zero and masked out of every softmax (see engine/algorithms/logprobs.py)."""
     return -(-vocab_size // tp_size) * tp_size
 
 
