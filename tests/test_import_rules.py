@@ -124,6 +124,19 @@ def test_the_engine_package_graph_has_no_cycle():
         visit(start, [])
 
 
+def test_the_driver_loop_imports_without_torch():
+    """`rl train`'s driver starts the Ray ranks before it loads torch (engine/trainer/trainer.py),
+    so the ~1 s of torch import overlaps the ranks' start. Importing the loop's module (what
+    rlcli.run_render does first) must therefore not import torch; a module-level `import torch`
+    in anything it imports put that second back on every run's critical path once already."""
+    code = ("import sys, engine.trainer.trainer, engine.trainer.worker_group; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "torch" not in r.stdout and "transformers" not in r.stdout, r.stdout
+
+
 def test_architecture_doc_lists_every_module():
     """docs/architecture.md has one line per module of engine/ and rlcli/ (so a newcomer's map
     stays complete)."""

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the driver imports this before it starts the ranks; torch loads after (trainer.py)
+    import torch
 
 
 def staleness_record(versions: list[int], step: int) -> dict:
@@ -27,6 +29,8 @@ def staleness_record(versions: list[int], step: int) -> dict:
 def versions_behind(versions: list[int], step: int, like: torch.Tensor) -> torch.Tensor:
     """[B, T] (shaped as ``like``): each row's staleness at step ``step`` on every token, as the
     policy loss reads it (algorithm.behavior_clip=per_version)."""
+    import torch
+
     stale = torch.tensor([float((step - 1) - v) for v in versions], dtype=like.dtype)
     return stale[:, None].expand_as(like).contiguous()
 
