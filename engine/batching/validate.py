@@ -61,8 +61,9 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
                         "boundary: every micro-batch pads to the longest length (a fixed budget).")
 
     align = required_alignment(engine_cfg)
-    budget_mode = engine_cfg.micro_batch_size == 0
     budget = engine_cfg.max_tokens_per_micro_batch
+    # budget 0: fitted to the device when the ranks start (engine/memory/micro_batch_fit.py)
+    budget_mode = engine_cfg.micro_batch_size == 0 and budget > 0
     if budget_mode and budget < align:
         raise ConfigError(
             f"engine.max_tokens_per_micro_batch={budget} is smaller than one bucket: every padded "

@@ -324,7 +324,15 @@ class EngineConfig:
     param_offload: bool = _f(False, "offload params to host and release grad buffers while the engine is idle")
     optimizer_offload: bool = _f(False, "offload optimizer state to host while the engine is idle")
     micro_batch_size: int = _f(0, "sequences per forward/backward; 0 = use max_tokens_per_micro_batch", min=0)
-    max_tokens_per_micro_batch: int = _f(4096, "token budget per micro-batch (padded tokens counted)", min=1)
+    max_tokens_per_micro_batch: int = _f(4096, "token budget per micro-batch (padded tokens counted); 0 = the largest "
+                                               "budget whose estimated peak fits engine.micro_batch_memory_fraction "
+                                               "of the memory each rank has (a GPU's free memory; on a CPU the host's "
+                                               "available memory shared by its ranks), fitted when the ranks start",
+                                         min=0)
+    micro_batch_memory_fraction: float = _f(0.8, "engine.max_tokens_per_micro_batch=0: the share of the rank's "
+                                                 "memory the estimated peak may reach (the rest is margin for what "
+                                                 "the estimate does not see: allocator fragmentation, kernels' "
+                                                 "workspaces)", above=0.0, max=1.0)
     pad_to_length: bool = _f(False, "pad each micro-batch's length up to a bucket boundary (few shapes)")
     pad_to_length_bucket: int = _f(16, "bucket granularity: every boundary of every policy is a multiple of it (lcm with TP/SP/CP/FP8 alignment)", min=1)
     pad_to_length_policy: str = _f("multiple", "bucket boundaries", choices=["multiple", "geometric", "learned"])

@@ -686,6 +686,9 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
     if device_memory_bytes is None:
         device_memory_bytes = _local_device_memory()
     kw = dict(seq_len=seq_len, device_memory_bytes=device_memory_bytes, attn_implementation=attn_implementation)
+    budget_note = None
+    if run_cfg.engine.max_tokens_per_micro_batch == 0 and run_cfg.engine.micro_batch_size == 0:
+        run_cfg, budget_note = _fitted_budget(st, run_cfg, seq_len, device_memory_bytes, attn_implementation)
     e = run_cfg.engine
     cur = _compute(st, run_cfg, param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
                    activation_offload=e.activation_offload, **kw)
@@ -718,7 +721,7 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
     fixes.sort(key=lambda x: -x.bytes_saved)
 
     lay = cur["layout"]
-    notes = []
+    notes = [budget_note] if budget_note else []
     if lay.backend == "megatron":
         notes.append("megatron activations use the HF Llama per-layer formula with flash attention, "
                      "split by TP (and SP); the most-loaded pipeline stage is reported")
@@ -750,6 +753,21 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
         phases=cur["phases"], peak_phase=cur["peak"].phase, peak_bytes=cur["peak"].total,
         device_memory_bytes=device_memory_bytes, offload_matrix=matrix, fixes=fixes[:5],
         formulas=cur["formulas"], notes=notes, moe=moe, rollout_worker=worker)
+
+
+def _fitted_budget(st: ModelStructure, run_cfg: RunConfig, seq_len: Optional[int], device: Optional[int],
+                   attn_implementation: str) -> tuple[RunConfig, str]:
+    """engine.max_tokens_per_micro_batch=0: the run's config with the budget the ranks would fit
+    to ``device`` bytes (engine/memory/micro_batch_fit.py), or 4096 when the device is unknown."""
+    from engine.memory.micro_batch_fit import UNFITTED_BUDGET, fit_token_budget
+
+    if not device:
+        return (_with_overrides(run_cfg, {"engine.max_tokens_per_micro_batch": UNFITTED_BUDGET}),
+                f"engine.max_tokens_per_micro_batch=0 is fitted to each rank's memory when the run starts; shown "
+                f"at {UNFITTED_BUDGET} tokens (give --device-memory to see the fitted budget)")
+    fit = fit_token_budget(run_cfg, st, device, seq_len=seq_len, attn_implementation=attn_implementation)
+    return (_with_overrides(run_cfg, {"engine.max_tokens_per_micro_batch": fit.tokens}),
+            f"engine.max_tokens_per_micro_batch=0 fits this device at {fit.describe()}")
 
 
 def _local_device_memory() -> Optional[int]:

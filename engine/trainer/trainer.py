@@ -735,6 +735,8 @@ def _plan(cfg: RunConfig, inputs: RunInputs, workers, start_step: int, changed: 
            "optim.lr": c.optim.lr, "algorithm.kl_coef": c.algorithm.kl_coef,
            "algorithm.loss_agg_mode": c.algorithm.loss_agg_mode, "rollout.temperature": c.rollout.temperature,
            "rollout.max_new_tokens": c.rollout.max_new_tokens, "engine.pad_to_length": c.engine.pad_to_length}
+    if workers.info[0].get("micro_batch_budget"):  # engine.max_tokens_per_micro_batch=0, fitted by the ranks
+        key["engine.max_tokens_per_micro_batch"] = workers.info[0]["micro_batch_budget"]
     if c.trainer.mode != "sync":
         key["trainer.mode"] = c.trainer.mode + (f" (max_staleness={c.trainer.max_staleness})"
                                                 if c.trainer.mode == "async" else "")

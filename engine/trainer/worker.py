@@ -139,11 +139,15 @@ class RankWorker:
             self._build()
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "device": str(self.device), "params": self.engine.param_count(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "micro_batch_budget": self.micro_batch_budget}
 
     def _build(self) -> None:
         import torch
 
+        e = self.cfg.engine
+        self.micro_batch_budget = ""
+        if e.max_tokens_per_micro_batch == 0 and e.micro_batch_size == 0:
+            self.micro_batch_budget = self._fit_micro_batch_budget()
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
@@ -162,6 +166,41 @@ class RankWorker:
         self._weights_stale = False  # the rollout engine holds older weights than the trainer
         self._sync_probe = None      # fixed sequences for rollout.verify_sync (first rollout's rows)
         self.generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.dp_rank)
+
+    def _fit_micro_batch_budget(self) -> str:
+        """engine.max_tokens_per_micro_batch=0: fit the budget to this rank's memory
+        (engine/memory/micro_batch_fit.py) before anything is built, take the smallest over the
+        ranks (all split alike) and set it in this rank's config; returns what the plan shows.
+        Every rank raises when any rank cannot fit one sequence."""
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        from engine.errors import UserError
+        from engine.memory.estimate import model_structure
+        from engine.memory.micro_batch_fit import fit_token_budget, host_available_bytes
+
+        ranks = [None] * self.world_size
+        if self.device.type == "cuda":
+            device_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+        else:  # the host's memory, shared by the ranks on it
+            dist.all_gather_object(ranks, socket.gethostname())
+            device_bytes = host_available_bytes() // max(1, ranks.count(socket.gethostname()))
+        try:
+            st = model_structure(self.cfg, hf_config_path=self.model_path or None, vocab_size=self.vocab["size"])
+            fit, failure = fit_token_budget(self.cfg, st, device_bytes), None
+        except UserError as err:
+            fit, failure = None, err
+        dist.all_gather_object(ranks, (fit.tokens if fit else 0, fit.describe() if fit else "",
+                                       failure.message if failure else ""))
+        failed = [(r, msg) for r, (_, _, msg) in enumerate(ranks) if msg]
+        if failed:
+            r, msg = failed[0]
+            raise UserError(f"rank {r}: {msg}", title="the micro-batch does not fit")
+        r = min(range(self.world_size), key=lambda i: ranks[i][0])
+        self.cfg.engine.max_tokens_per_micro_batch = ranks[r][0]
+        return ranks[r][1] + (f", rank {r}'s" if self.world_size > 1 else "")
 
     def _make_sampler(self):
         if self.cfg.rollout.name == "vllm" and not self.run.versions_ahead:

@@ -1,0 +1,98 @@
+"""engine.max_tokens_per_micro_batch=0: the budget fitted to the memory a rank has.
+
+The fit is checked against the estimate it serves (the chosen budget's estimated peak is within
+the allowed share of the device, one more sequence would not be), for monotony in the device's
+size and for its refusal; and a real `rl train` on this CPU shows the fitted budget in its plan
+and splits its update into micro-batches that keep to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config.load import load_run_config
+from engine.errors import UserError
+from engine.memory.estimate import estimate_memory, model_structure
+from engine.memory.micro_batch_fit import _estimate_at, fit_token_budget, host_available_bytes
+from tests.cli_utils import flat, rl
+
+GiB = 1 << 30
+SMOLLM2 = ["model.preset=smollm2-135m", "model.dtype=bfloat16", "data.train_batch_size=8",
+           "rollout.max_new_tokens=512", "engine.max_tokens_per_micro_batch=0"]
+
+
+def _cfg(*overrides):
+    return load_run_config(list(overrides)).config
+
+
+@pytest.mark.parametrize("device_gib", [4, 8, 16, 40])
+def test_fitted_budget_is_the_largest_whose_estimated_peak_fits(device_gib):
+    """At the fitted k sequences the estimated peak is within fraction x device; at k + 1 it is
+    not (unless k is the whole mini-batch): the largest budget that fits, not merely one that does."""
+    cfg = _cfg(*SMOLLM2)
+    st = model_structure(cfg)
+    fit = fit_token_budget(cfg, st, device_gib * GiB)
+    limit = int(device_gib * GiB * cfg.engine.micro_batch_memory_fraction)
+    assert fit.limit_bytes == limit and fit.tokens == fit.micro_seqs * fit.seq_len == fit.micro_seqs * 576
+    assert _estimate_at(st, cfg, fit.micro_seqs, None, "sdpa")["peak"].total == fit.peak_bytes <= limit
+    if fit.whole_mini_batch:
+        assert fit.micro_seqs == 64  # 8 prompts x 8 samples
+    else:
+        assert _estimate_at(st, cfg, fit.micro_seqs + 1, None, "sdpa")["peak"].total > limit
+
+
+def test_more_memory_never_fits_less_and_plenty_fits_the_mini_batch():
+    cfg = _cfg(*SMOLLM2)
+    st = model_structure(cfg)
+    budgets = [fit_token_budget(cfg, st, g * GiB).tokens for g in (4, 6, 8, 12, 16, 24, 32, 48, 80)]
+    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
+    assert fit_token_budget(cfg, st, 200 * GiB).whole_mini_batch
+
+
+def test_the_estimate_shows_the_budget_it_would_fit():
+    """`rl mem-report --estimate ... --device-memory` of a budget-0 config estimates at the fitted
+    budget and says so; without a device size it shows 4096 tokens and says why."""
+    cfg = _cfg(*SMOLLM2)
+    est = estimate_memory(cfg, device_memory_bytes=16 * GiB)
+    fit = fit_token_budget(cfg, model_structure(cfg), 16 * GiB)
+    assert est.assumptions["micro_batch_tokens"] == fit.tokens and est.peak_bytes == fit.peak_bytes
+    assert any("fits this device at" in n for n in est.notes)
+    unknown = estimate_memory(cfg, device_memory_bytes=None)
+    assert unknown.assumptions["micro_batch_tokens"] == 7 * 576  # 4096 // 576 sequences
+    assert any("--device-memory" in n for n in unknown.notes)
+
+
+def test_a_device_too_small_for_one_sequence_is_refused_with_the_fix():
+    cfg = _cfg(*SMOLLM2)
+    with pytest.raises(UserError) as e:
+        fit_token_budget(cfg, model_structure(cfg), 1 * GiB)
+    msg = e.value.message
+    assert "one sequence of 576 tokens" in msg and "engine.micro_batch_memory_fraction" in msg
+    assert "rl mem-report" in msg
+
+
+@pytest.mark.slow
+def test_a_cpu_run_fits_its_budget_and_keeps_to_it(tmp_path):
+    """A real run on this CPU: the host's available memory is the rank's; a fraction that allows
+    the estimated peak of ~16 of the mini-batch's 256 sequences at the longest length (76 tokens)
+    makes the fit land far below the whole batch, so the update (real rows are much shorter)
+    splits into several micro-batches, none over the fitted budget. A
+    fraction too small for one sequence stops the run at start-up: exit 2, one paragraph."""
+    args = ["trainer.total_steps=1", "engine.max_tokens_per_micro_batch=0"]
+    cfg = _cfg(*args)
+    st = model_structure(cfg, vocab_size=None)
+    frac = _estimate_at(st, cfg, 16, None, "sdpa")["peak"].total / host_available_bytes()
+    r = rl("train", *args, f"engine.micro_batch_memory_fraction={frac:.6g}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = flat(r.stdout)
+    assert "engine.max_tokens_per_micro_batch" in out and "(fitted:" in out
+    budget = int(out.split("engine.max_tokens_per_micro_batch ")[1].split(" (fitted")[0])
+    row = json.loads((tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()[0])
+    shapes = row["micro_batch_shapes"]
+    assert len(shapes) > 1 and all(rows * length <= budget for rows, length in shapes), (budget, shapes)
+
+    (tmp_path / "small").mkdir()
+    r = rl("train", *args, "engine.micro_batch_memory_fraction=1e-9", cwd=tmp_path / "small")
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
+    assert "even one sequence" in flat(r.stderr + r.stdout)
