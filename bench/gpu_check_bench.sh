@@ -9,4 +9,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 timeout "${GPU_CHECK_TIMEOUT:-300}" python bench/gpu_bench.py --device cuda --steps 2 --json "${OUT:-/tmp}/gpu_bench.json"
 rc=$?
+# the log-prob pass at the 0.5b shape's vocabulary (Qwen2.5's 151,936) and a GPU-sized micro-batch:
+# chunked (rl) beside the plain log_softmax, the allocator's peak and the time of forward + backward
+timeout 60 python bench/logprob_memory.py --device cuda --tokens 16384 --vocab 151936 --dtypes bfloat16 \
+  --json "${OUT:-/tmp}/logprob_memory.json" || rc=1
 [ "$rc" = 0 ] || exit 1

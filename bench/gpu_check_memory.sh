@@ -108,12 +108,13 @@ with tracker.phase("update", step=1):
     if have_hf:
         with tracker.activations():
             out = model(input_ids=ids, attention_mask=mask, use_cache=False)
-        with tracker.saved_tensors("logits") as m:
+        from engine.algorithms.logprobs import token_log_probs
+
+        with tracker.saved_tensors("logits") as m:  # as the engine measures it (engine/backends/fsdp/engine.py)
             m.add(out.logits)
-            logp = torch.log_softmax(out.logits.float(), -1)
-            tok = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(tok * mask[:, 1:]).sum() / mask.sum()
-        del out, logp
+            tok, _ = token_log_probs(out.logits, ids)
+        loss = -(tok * mask).sum() / mask.sum()
+        del out
     else:
         with tracker.activations():
             loss = model(torch.randn(B * T, 1024, device=dev)).pow(2).mean()

@@ -41,6 +41,12 @@ one one_step_off 120 train "${BASE[@]}" trainer.mode=one_step_off trainer.total_
 one one_step_off_tools 120 train "${BASE[@]}" task=tool_add rollout.max_turns=3 trainer.mode=one_step_off \
     trainer.total_steps=4 checkpoint.dir="$WORK/ospt" &
 one streamed 120 train "${BASE[@]}" trainer.mode=streamed trainer.total_steps=4 checkpoint.dir="$WORK/str" &
+# the micro-batch fitted to the GPU's free memory (engine.max_tokens_per_micro_batch=0): a bf16
+# 135M-parameter shape at 1024-token sequences, so the fit has something to fit (GPU only: too big for the CPU smoke)
+[ "$DEV" = cuda ] && one fit 120 train "${BASE[@]}" engine.max_tokens_per_micro_batch=0 model.hidden_size=1024 \
+    model.intermediate_size=2816 model.num_layers=12 model.num_attention_heads=16 model.num_key_value_heads=4 \
+    model.dtype=bfloat16 data.train_batch_size=64 rollout.max_new_tokens=1000 rollout.ignore_eos=true \
+    trainer.total_steps=2 checkpoint.dir="$WORK/fit" &
 wait
 grep -qv $'\t0\t' "$SUMMARY" && status=1
 mkdir -p "$WORK/r" && cp -r "$WORK/a/." "$WORK/r/" && rm -rf "$WORK/r/step_6"
@@ -126,6 +132,14 @@ if strm:
           f"update after the rollout {[round(r['timing'].get('update_after_rollout', 0), 3) for r in strm]} s "
           f"of {[round(r['timing'].get('update', 0), 3) for r in strm]}")
     ok = ok and st == [0, 0, 0, 0]
+fit = rows("fit")
+if fit:  # the fitted budget against what the update then took on the device
+    log = (work / "fit.log").read_text()
+    line = " ".join(log.split("engine.max_tokens_per_micro_batch", 1)[1].split())[:200] if "fitted" in log else "?"
+    peak = max(r["peak_mem_bytes"] for r in fit)
+    print(f"fitted micro-batch: {line}; measured peak {peak / 2**30:.2f} GiB of "
+          f"{torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0:.1f} GiB, "
+          f"micro-batch shapes {fit[-1].get('micro_batch_shapes')}")
 for name in ("train", "ppo", "lora", "mg", "mgbf"):
     r = rows(name if name != "train" else "a")
     if r:

@@ -12,6 +12,7 @@ wall time of forward + backward.
 
     python bench/logprob_memory.py                       # 4096 x 49152 (SmolLM2's vocab), bf16 and fp32
     python bench/logprob_memory.py --tokens 2048 --vocab 151936 --json out.json
+    python bench/logprob_memory.py --device cuda --tokens 16384 --vocab 151936   # on a GPU
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def _chunked(logits, ids, temperature: float, chunk: int):
     return position_log_probs(logits, ids, temperature, with_entropy=True, chunk_tokens=chunk)
 
 
-def worker(variant: str, tokens: int, vocab: int, dtype: str, chunk: int, repeats: int) -> dict:
+def worker(variant: str, tokens: int, vocab: int, dtype: str, chunk: int, repeats: int, device: str) -> dict:
     import torch
 
     torch.manual_seed(0)
-    logits = (torch.randn(tokens, vocab) * 2).to(getattr(torch, dtype)).requires_grad_()
-    ids = torch.randint(0, vocab, (tokens,))
-    w = torch.randn(tokens)
+    dev = torch.device(device)
+    logits = (torch.randn(tokens, vocab, device=dev) * 2).to(getattr(torch, dtype)).requires_grad_()
+    ids = torch.randint(0, vocab, (tokens,), device=dev)
+    w = torch.randn(tokens, device=dev)
+    cuda = dev.type == "cuda"
     fn = (lambda: _plain(logits, ids, 0.9)) if variant == "plain" else (lambda: _chunked(logits, ids, 0.9, chunk))
     saved: dict = {}
 
@@ -79,17 +82,24 @@ def worker(variant: str, tokens: int, vocab: int, dtype: str, chunk: int, repeat
         lp, ent = fn()
     del lp, ent
     logits.grad = torch.zeros_like(logits)  # the gradient buffer exists in both variants
-    base = _reset_peak()
+    if cuda:  # the allocator's own peak
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _reset_peak()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         lp, ent = fn()
         ((lp * w).sum() + 0.01 * ent.sum()).backward()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         del lp, ent
-    peak = _peak()
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak()
     times.sort()
-    return {"variant": variant, "dtype": dtype, "tokens": tokens, "vocab": vocab, "chunk": chunk,
+    return {"variant": variant, "dtype": dtype, "device": device, "tokens": tokens, "vocab": vocab, "chunk": chunk,
             "logits_bytes": logits.numel() * logits.element_size(),
             "saved_bytes": sum(saved.values()),
             "peak_above_logits_bytes": peak - base,
@@ -103,17 +113,18 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (the allocator's peak)")
     ap.add_argument("--json", default="")
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker[0], a.tokens, a.vocab, a.worker[1], a.chunk, a.repeats)))
+        print(json.dumps(worker(a.worker[0], a.tokens, a.vocab, a.worker[1], a.chunk, a.repeats, a.device)))
         return 0
     rows = []
     for dtype in a.dtypes:
         for variant in ("plain", "chunked"):
             cmd = [sys.executable, __file__, "--worker", variant, dtype, "--tokens", str(a.tokens), "--vocab",
-                   str(a.vocab), "--chunk", str(a.chunk), "--repeats", str(a.repeats)]
+                   str(a.vocab), "--chunk", str(a.chunk), "--repeats", str(a.repeats), "--device", a.device]
             out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                                  check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
