@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.algorithms.logprobs import position_log_probs, token_log_probs
+from engine.algorithms.logprobs import linear_log_probs, position_log_probs, token_log_probs
 from tests.dist_utils import run_ranks
 
 B, T, V = 3, 9, 37
@@ -131,3 +131,31 @@ def test_vocab_parallel_slices_on_two_ranks_give_the_whole_vocabulary_formula():
     grad = torch.cat([g for _, _, g in results], dim=-1)
     assert (grad[..., V:] == 0).all()
     torch.testing.assert_close(grad[..., :V].double(), x64.grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_output_layer_fused_pass_follows_the_formulas(chunk):
+    """linear_log_probs(h, W): the formula's log-probs and entropies of h @ W.T / T, and float64
+    autograd's gradients in both h and W, while what it keeps for backward is h and W themselves
+    (no [tokens, vocab] tensor)."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(B, T, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(V, 16, generator=g, dtype=torch.float64) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    w_lp, w_ent = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g, dtype=torch.float64)
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    saved: list = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp, ent = linear_log_probs(hf, wf, ids, 0.8, with_entropy=True, chunk_tokens=chunk)
+    assert max(t.numel() for t in saved) == max(hf.numel(), wf.numel())  # nothing of B*T*V elements
+    (lp.double() * w_lp + ent.double() * w_ent).sum().backward()
+
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logp_all = torch.log_softmax(h64 @ w64.t() / 0.8, dim=-1)
+    r_lp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
+    r_ent = -(logp_all.exp() * logp_all).sum(-1)
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=0, atol=1e-5)
+    (r_lp * w_lp + r_ent * w_ent).sum().backward()
+    torch.testing.assert_close(hf.grad.double(), h64.grad, rtol=0, atol=1e-4)
+    torch.testing.assert_close(wf.grad.double(), w64.grad, rtol=0, atol=1e-4)

@@ -519,11 +519,17 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     # engine/algorithms/logprobs.py keeps only the logits (model dtype) for backward and works in
     # fp32 on chunks of positions (z and exp(z - max): 8 B per element), freed chunk by chunk
     chunk = min(tokens, e.logprob_chunk_tokens) * v_rank * 8
-    logits_train = tokens * v_rank * a
     logits_eval = tokens * v_rank * a + chunk
-    f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {a} B (the logits, kept for backward; the log-probs "
-                   f"are computed {min(tokens, e.logprob_chunk_tokens):,} positions at a time in fp32, a "
-                   f"{_fmt(chunk)} working set that lives only while each chunk is computed)")
+    if getattr(e, "fused_lm_head", False):  # engine/model/fused_head.py: the update makes no logits
+        logits_train = 0
+        f["logits"] = (f"none kept in the update (engine.fused_lm_head: the output layer computes the log-probs "
+                       f"{min(tokens, e.logprob_chunk_tokens):,} positions at a time, a {_fmt(chunk)} fp32 working "
+                       f"set); the no-grad passes: {tokens:,} tokens x {v_rank:,} vocab x {a} B + that working set")
+    else:
+        logits_train = tokens * v_rank * a
+        f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {a} B (the logits, kept for backward; the log-probs "
+                       f"are computed {min(tokens, e.logprob_chunk_tokens):,} positions at a time in fp32, a "
+                       f"{_fmt(chunk)} working set that lives only while each chunk is computed)")
     uses_fp8 = e.fp8 and e.name == "megatron"  # only megatron builds TE layers (fsdp refuses fp8)
     fp8 = 2 * lin_rank if uses_fp8 else 0
     if uses_fp8:

@@ -111,6 +111,14 @@ class FSDPEngine(TrainEngine):
         names = {id(m): n for n, m in model.named_modules()}
         self.activation_offload = make_activation_offloader(
             model, c.engine, [names[id(m)] for m in decoder_blocks(model)], self.device)
+        if c.engine.fused_lm_head:  # the output layer computes the log-probs (engine/model/fused_head.py)
+            from engine.errors import ConfigError
+            from engine.model.fused_head import unfusable_reason
+
+            reason = unfusable_reason(model)
+            if reason:
+                raise ConfigError(f"engine.fused_lm_head=true cannot fuse this model's output layer: {reason}. "
+                                  f"Set engine.fused_lm_head=false.", title="invalid config value")
         if c.engine.fused_kernels:  # RMSNorm and the MLP's activation (engine/model/fused_kernels.py)
             from engine.model.fused_kernels import use_fused_kernels
 
@@ -131,10 +139,12 @@ class FSDPEngine(TrainEngine):
     def _share_prompts(self) -> bool:
         """The grouped forward runs the model twice per micro-batch, the second with a KV cache:
         not with compiled blocks (the cache object would go through dynamo), activation offload
-        (its hooks expect one forward) or gradient checkpointing (transformers drops the
-        prompt's KV cache in training then)."""
-        return (self.share_prompts and not self.cfg.engine.compile and self.activation_offload is None
-                and not self.cfg.engine.gradient_checkpointing)  # HF turns the KV cache off under it
+        (its hooks expect one forward), gradient checkpointing (transformers drops the
+        prompt's KV cache in training then) or the fused output layer (the prompt's last position
+        predicts a different first token in each of its samples)."""
+        e = self.cfg.engine
+        return (self.share_prompts and not e.compile and self.activation_offload is None
+                and not e.gradient_checkpointing and not e.fused_lm_head)  # HF turns the KV cache off under GC
 
     def _replays(self) -> bool:
         return self.router_replay is not None and self.cfg.algorithm.router_replay == "replay"
@@ -271,6 +281,8 @@ class FSDPEngine(TrainEngine):
     def _micro_batch_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float):
         """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
         key = self._saved_key(mb.batch, groups)
+        if self.cfg.engine.fused_lm_head:
+            return self._fused_head_loss(mb, loss_fn, n_tokens, n_seqs, key)
         with self._measure("activations", key) as meter:
             if self.activation_offload is not None:  # what stays on the device is counted there
                 self.activation_offload.meter = meter
@@ -288,6 +300,27 @@ class FSDPEngine(TrainEngine):
             lp, ent = lp_fn(logits, ids, self.cfg.rollout.temperature, with_entropy=True,
                             entropy_grad=loss_fn.needs_entropy, chunk_tokens=self.cfg.engine.logprob_chunk_tokens)
         return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
+
+    def _fused_head_loss(self, mb, loss_fn, n_tokens: float, n_seqs: float, key):
+        """engine.fused_lm_head: the forward's output layer yields each position's log-prob of
+        the next token and entropy (engine/model/fused_head.py); no logits are made. What the
+        output layer keeps for backward (its input, the hidden states) counts as activations."""
+        from torch.nn.functional import pad
+
+        from engine.model.fused_head import head_log_probs
+
+        ids = mb.batch.input_ids.to(self.device)
+        target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts t + 1; the last nothing
+        with self._measure("activations", key) as meter:
+            if self.activation_offload is not None:
+                self.activation_offload.meter = meter
+            with head_log_probs(self.model, target, self.cfg.rollout.temperature,
+                                self.cfg.engine.logprob_chunk_tokens, loss_fn.needs_entropy):
+                out = self._forward_logits(self.model, mb.batch)
+        if self.activation_offload is not None:
+            self.activation_offload.meter = None
+        lp, ent = pad(out[:, :-1, 0], (1, 0)), pad(out[:, :-1, 1], (1, 0))
+        return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
 
     # ---- rollout ------------------------------------------------------------------------
     @contextmanager

@@ -1,0 +1,86 @@
+"""engine.fused_lm_head: the output layer computing the log-probs inside the model's forward
+(engine/model/fused_head.py) gives the log-softmax of the model's own logits and the same
+gradients for every parameter; an FSDP2 step on two gloo ranks, with the output layer in the root
+unit (gathered only inside the forward), equals a plain one-rank step; models whose forward
+changes the logits after the output layer are refused."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.algorithms.logprobs import token_log_probs
+from engine.config.load import load_run_config
+from engine.config.schema import ModelConfig
+from engine.model.build import build_hf_model
+from engine.model.fused_head import head_log_probs, unfusable_reason
+from tests.dist_utils import run_ranks
+from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _rollout
+
+
+def _model():
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    return build_hf_model(cfg, "", VOCAB, seed=1, pad_token_id=PAD, eos_token_id=EOS)
+
+
+def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_logits():
+    batch = _rollout()
+    model = _model().train()
+    ids, attn = batch.input_ids, batch.attention_mask
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
+    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
+    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+
+    target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    with head_log_probs(model, target, 0.7, chunk_tokens=5, entropy_grad=True):
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    assert out.shape == ids.shape + (2,)
+    assert "forward" not in model.lm_head.__dict__  # the output layer is itself again after the block
+    lp, ent = out[:, :-1, 0], out[:, :-1, 1]
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=0, atol=1e-5)
+    loss = (lp.double() * batch.advantages[:, 1:]).sum() + 0.1 * ent.double().sum()
+    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
+                               ref_grads):
+        err = float((a.double() - b).abs().max())
+        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+
+
+def _step(rank, world, batch, fused: bool):
+    from engine.algorithms.policy_loss import PolicyLoss
+    from engine.backends.fsdp import FSDPEngine
+    from engine.trainer.worker_group import shard_slices
+
+    cfg = load_run_config(["engine.micro_batch_size=4", "algorithm.entropy_coef=0.01", "engine.fsdp_unit=layer",
+                           f"engine.fused_lm_head={str(fused).lower()}", "engine.logprob_chunk_tokens=7"]).config
+    eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
+    eng.build()
+    stats = eng.train_step(batch.select(shard_slices(len(batch), world)[rank]), PolicyLoss(cfg.algorithm, world))
+    return {k: v.clone() for k, v in eng.export_hf_state_dict().items()}, stats.metrics, stats.replicated
+
+
+def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
+    """Two ranks, every decoder layer its own FSDP2 unit and the output layer in the root unit,
+    with an entropy bonus (its gradient goes through the fused backward too): the same weights
+    after one step as one rank's plain step (tolerance as tests/test_fsdp_engine.py: 2e-5)."""
+    batch = _rollout(n=4)
+    (plain, m_plain, r_plain), = run_ranks(_step, 1, batch, False)
+    two = run_ranks(_step, 2, batch, True)
+    for k in plain:
+        assert torch.allclose(plain[k], two[0][0][k], atol=2e-5), (k, (plain[k] - two[0][0][k]).abs().max())
+    assert abs(r_plain["grad_norm"] - two[0][2]["grad_norm"]) < 1e-4
+    assert abs(sum(t[1]["pg_loss"] for t in two) - m_plain["pg_loss"]) < 1e-5
+
+
+def test_models_that_change_their_logits_or_have_an_adapted_head_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert unfusable_reason(_model()) == ""
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB))
+    assert "GPT2LMHeadModel is not one of" in unfusable_reason(gpt2)
+    llama = _model()
+    llama.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
+    assert "with a bias" in unfusable_reason(llama)
