@@ -1,5 +1,5 @@
 """engine.fused_lm_head: the output layer computing the log-probs inside the model's forward
-(engine/model/fused_head.py) gives the log-softmax of the model's own logits and the same
+(engine/backends/fused_head.py) gives the log-softmax of the model's own logits and the same
 gradients for every parameter; an FSDP2 step on two gloo ranks, with the output layer in the root
 unit (gathered only inside the forward), equals a plain one-rank step; models whose forward
 changes the logits after the output layer are refused."""
@@ -12,7 +12,7 @@ from engine.algorithms.logprobs import token_log_probs
 from engine.config.load import load_run_config
 from engine.config.schema import ModelConfig
 from engine.model.build import build_hf_model
-from engine.model.fused_head import head_log_probs, unfusable_reason
+from engine.backends.fused_head import head_log_probs, unfusable_reason
 from tests.dist_utils import run_ranks
 from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _rollout
 

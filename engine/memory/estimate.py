@@ -520,7 +520,7 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     # fp32 on chunks of positions (z and exp(z - max): 8 B per element), freed chunk by chunk
     chunk = min(tokens, e.logprob_chunk_tokens) * v_rank * 8
     logits_eval = tokens * v_rank * a + chunk
-    if getattr(e, "fused_lm_head", False):  # engine/model/fused_head.py: the update makes no logits
+    if getattr(e, "fused_lm_head", False):  # engine/backends/fused_head.py: the update makes no logits
         logits_train = 0
         f["logits"] = (f"none kept in the update (engine.fused_lm_head: the output layer computes the log-probs "
                        f"{min(tokens, e.logprob_chunk_tokens):,} positions at a time, a {_fmt(chunk)} fp32 working "

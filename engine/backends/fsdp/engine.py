@@ -111,9 +111,9 @@ class FSDPEngine(TrainEngine):
         names = {id(m): n for n, m in model.named_modules()}
         self.activation_offload = make_activation_offloader(
             model, c.engine, [names[id(m)] for m in decoder_blocks(model)], self.device)
-        if c.engine.fused_lm_head:  # the output layer computes the log-probs (engine/model/fused_head.py)
+        if c.engine.fused_lm_head:  # the output layer computes the log-probs (engine/backends/fused_head.py)
             from engine.errors import ConfigError
-            from engine.model.fused_head import unfusable_reason
+            from engine.backends.fused_head import unfusable_reason
 
             reason = unfusable_reason(model)
             if reason:
@@ -303,11 +303,11 @@ class FSDPEngine(TrainEngine):
 
     def _fused_head_loss(self, mb, loss_fn, n_tokens: float, n_seqs: float, key):
         """engine.fused_lm_head: the forward's output layer yields each position's log-prob of
-        the next token and entropy (engine/model/fused_head.py); no logits are made. What the
+        the next token and entropy (engine/backends/fused_head.py); no logits are made. What the
         output layer keeps for backward (its input, the hidden states) counts as activations."""
         from torch.nn.functional import pad
 
-        from engine.model.fused_head import head_log_probs
+        from engine.backends.fused_head import head_log_probs
 
         ids = mb.batch.input_ids.to(self.device)
         target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts t + 1; the last nothing
