@@ -129,6 +129,7 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (the allocator's peak)")
     ap.add_argument("--json", default="")
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
@@ -138,7 +139,7 @@ def main() -> int:
         return 0
     rows = []
     for dtype in a.dtypes:
-        for variant in VARIANTS:
+        for variant in a.variants:
             cmd = [sys.executable, __file__, "--worker", variant, dtype, "--tokens", str(a.tokens), "--vocab",
                    str(a.vocab), "--hidden", str(a.hidden), "--chunk", str(a.chunk), "--repeats", str(a.repeats), "--device", a.device]
             out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,

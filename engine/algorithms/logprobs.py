@@ -175,8 +175,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                             in_range[sl], None, ctx.temperature).to(hidden.dtype)
             if need_h:
                 grad_h[sl] = g @ weight
-            if need_w:  # summed over chunks in fp32: one rounding to the weight's dtype at the end
-                grad_w += (g.t() @ hidden[sl]).float()
+            if need_w:  # summed over chunks in fp32, one rounding to the weight's dtype at the end
+                if g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hidden[sl])
+                else:  # the chunk's product in the low precision, added without an fp32 copy of it
+                    grad_w.add_(g.t() @ hidden[sl])
             del z, g
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None)
 
