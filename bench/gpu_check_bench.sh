@@ -10,7 +10,7 @@ fi
 # the log-prob pass at the 0.5b shape's vocabulary (Qwen2.5's 151,936) and a GPU-sized micro-batch:
 # chunked (rl) beside the plain log_softmax, the allocator's peak and the time of forward + backward
 rc=0
-timeout 40 python bench/logprob_memory.py --device cuda --tokens 16384 --vocab 151936 --dtypes bfloat16 \
+timeout 40 python bench/logprob_memory.py --device cuda --tokens 8192 --vocab 151936 --hidden 896 --dtypes bfloat16 \
   --json "${OUT:-/tmp}/logprob_memory.json" || rc=1
 timeout $(( ${GPU_CHECK_TIMEOUT:-300} - 45 )) python bench/gpu_bench.py --device cuda --steps 2 \
   --json "${OUT:-/tmp}/gpu_bench.json" || rc=1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the commands users run (issue 40): `rl train` on CUDA, `rl resume` exactness, PPO,
-# LoRA, `--engine megatron`, trainer.mode=one_step_off (single- and multi-turn) and streamed; one summary table. Called from
+# LoRA, the fused output layer, the micro-batch fitted to the GPU, `--engine megatron`, trainer.mode=one_step_off (single- and multi-turn) and streamed; one summary table. Called from
 # bench/gpu_check.sh; runs alone too (CPU smoke: GPU_CHECK_DEVICE=cpu bash bench/gpu_check_train.sh).
 #
 # Resume exactness: two straight 6-step runs must be bit-identical (else the device is not
@@ -41,6 +41,8 @@ one one_step_off 120 train "${BASE[@]}" trainer.mode=one_step_off trainer.total_
 one one_step_off_tools 120 train "${BASE[@]}" task=tool_add rollout.max_turns=3 trainer.mode=one_step_off \
     trainer.total_steps=4 checkpoint.dir="$WORK/ospt" &
 one streamed 120 train "${BASE[@]}" trainer.mode=streamed trainer.total_steps=4 checkpoint.dir="$WORK/str" &
+one fused_head 120 train "${BASE[@]}" engine.fused_lm_head=true model.dtype=bfloat16 trainer.total_steps=3 \
+    checkpoint.dir="$WORK/fh" &
 # the micro-batch fitted to the GPU's free memory (engine.max_tokens_per_micro_batch=0): a bf16
 # 135M-parameter shape at 1024-token sequences, so the fit has something to fit (GPU only: too big for the CPU smoke)
 [ "$DEV" = cuda ] && one fit 120 train "${BASE[@]}" engine.max_tokens_per_micro_batch=0 model.hidden_size=1024 \
@@ -140,7 +142,7 @@ if fit:  # the fitted budget against what the update then took on the device
     print(f"fitted micro-batch: {line}; measured peak {peak / 2**30:.2f} GiB of "
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0:.1f} GiB, "
           f"micro-batch shapes {fit[-1].get('micro_batch_shapes')}")
-for name in ("train", "ppo", "lora", "mg", "mgbf"):
+for name in ("train", "ppo", "lora", "mg", "mgbf", "fh"):
     r = rows(name if name != "train" else "a")
     if r:
         print(f"{name:6s} reward {r[0]['reward_mean']:.3f} -> {r[-1]['reward_mean']:.3f}, step {r[-1]['step_time_s']:.2f} s, "
