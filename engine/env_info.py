@@ -75,6 +75,16 @@ class EnvReport:
                 "components": [asdict(c) for c in self.components]}
 
 
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new work (MemAvailable), in bytes; None where
+    it cannot be read (not Linux, a damaged file)."""
+    try:
+        return next(int(line.split()[1]) * 1024 for line in Path(meminfo).read_text().splitlines()
+                    if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def package_version(name: str) -> str | None:
     """The installed version of a component in PACKAGES (or of any distribution), else None."""
     for dist in PACKAGES.get(name, (name,)):

@@ -14,7 +14,8 @@ import pytest
 from engine.config.load import load_run_config
 from engine.errors import UserError
 from engine.memory.estimate import estimate_memory, model_structure
-from engine.memory.micro_batch_fit import _estimate_at, fit_token_budget, host_available_bytes
+from engine.env_info import host_available_bytes
+from engine.memory.micro_batch_fit import _estimate_at, fit_token_budget
 from tests.cli_utils import flat, rl
 
 GiB = 1 << 30

@@ -98,15 +98,3 @@ def fit_token_budget(run_cfg: RunConfig, st, device_bytes: int, *, seq_len: Opti
     return FittedBudget(tokens=lo * sh.seq_len, micro_seqs=lo, seq_len=sh.seq_len, peak_bytes=best["peak"].total,
                         peak_phase=best["peak"].phase, limit_bytes=limit, device_bytes=int(device_bytes),
                         whole_mini_batch=lo >= sh.mini_batch_seqs)
-
-
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -260,10 +260,10 @@ def check_host_memory(cfg: RunConfig, inputs, meminfo: str = "/proc/meminfo") ->
 
     if not resolve_address(cfg.trainer.ray_address).local:
         return "ranks on the cluster's nodes: not checked here"
-    try:
-        avail = next(int(line.split()[1]) * 1024 for line in Path(meminfo).read_text().splitlines()
-                     if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
+    from engine.env_info import host_available_bytes
+
+    avail = host_available_bytes(meminfo)
+    if avail is None:
         return "available memory unknown: not checked"
     n = cfg.trainer.nprocs
     params = estimated_params(cfg, inputs) or 0

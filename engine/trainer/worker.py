@@ -179,14 +179,15 @@ class RankWorker:
 
         from engine.errors import UserError
         from engine.memory.estimate import model_structure
-        from engine.memory.micro_batch_fit import fit_token_budget, host_available_bytes
+        from engine.env_info import host_available_bytes
+        from engine.memory.micro_batch_fit import fit_token_budget
 
         ranks = [None] * self.world_size
         if self.device.type == "cuda":
             device_bytes = int(torch.cuda.mem_get_info(self.device)[0])
         else:  # the host's memory, shared by the ranks on it
             dist.all_gather_object(ranks, socket.gethostname())
-            device_bytes = host_available_bytes() // max(1, ranks.count(socket.gethostname()))
+            device_bytes = (host_available_bytes() or 0) // max(1, ranks.count(socket.gethostname()))
         try:
             st = model_structure(self.cfg, hf_config_path=self.model_path or None, vocab_size=self.vocab["size"])
             fit, failure = fit_token_budget(self.cfg, st, device_bytes), None
