@@ -10,17 +10,9 @@ import torch
 
 from engine.algorithms.logprobs import token_log_probs
 from engine.config.load import load_run_config
-from engine.config.schema import ModelConfig
-from engine.model.build import build_hf_model
 from engine.backends.fused_head import head_log_probs, unfusable_reason
 from tests.dist_utils import run_ranks
-from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _rollout
-
-
-def _model():
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    return build_hf_model(cfg, "", VOCAB, seed=1, pad_token_id=PAD, eos_token_id=EOS)
+from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _model, _rollout
 
 
 def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_logits():
