@@ -32,7 +32,8 @@ def _value(key: str) -> str:
     from engine.config.schema import RunConfig
 
     v = flatten(asdict(RunConfig()))[key] if not key.startswith("engine.") else {
-        "engine.fp8": False, "engine.compile": False, "engine.fused_kernels": False}[key]
+        "engine.fp8": False, "engine.compile": False, "engine.fused_kernels": False,
+        "engine.fused_lm_head": False}[key]
     if isinstance(v, bool):
         return str(v).lower()
     return '""' if v == "" else str(v)
@@ -66,6 +67,7 @@ def test_the_declared_rules_are_the_expected_ones():
     assert owned_keys() == {
         "engine.compile": {"engine": ("fsdp",)},
         "engine.fused_kernels": {"engine": ("fsdp",)},
+        "engine.fused_lm_head": {"engine": ("fsdp",)},
         "engine.fp8": {"engine": ("megatron",)},
         "rollout.decode_lanes": {"rollout": ("torch",)},
         "rollout.cuda_graphs": {"rollout": ("torch",)},
