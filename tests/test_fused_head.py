@@ -1,7 +1,8 @@
 """engine.fused_lm_head: the output layer computing the log-probs inside the model's forward
 (engine/backends/fused_head.py) gives the log-softmax of the model's own logits and the same
 gradients for every parameter; an FSDP2 step on two gloo ranks, with the output layer in the root
-unit (gathered only inside the forward), equals a plain one-rank step; models whose forward
+unit (gathered only inside the forward), equals a plain one-rank step, and its no-grad pass (old and
+reference log-probs) gives the formula's log-probs and entropy without making the logits; models whose forward
 changes the logits after the output layer are refused."""
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def _step(rank, world, batch, fused: bool):
                            f"engine.fused_lm_head={str(fused).lower()}", "engine.logprob_chunk_tokens=7"]).config
     eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
+    weights = {k: v.clone() for k, v in eng.export_hf_state_dict().items()}  # before the step
+    passed = eng.compute_log_probs(batch, with_entropy=True)  # the no-grad pass (old/reference log-probs)
     stats = eng.train_step(batch.select(shard_slices(len(batch), world)[rank]), PolicyLoss(cfg.algorithm, world))
-    return {k: v.clone() for k, v in eng.export_hf_state_dict().items()}, stats.metrics, stats.replicated
+    return {k: v.clone() for k, v in eng.export_hf_state_dict().items()}, stats.metrics, stats.replicated, \
+        weights, passed
 
 
 def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
@@ -59,12 +63,30 @@ def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
     with an entropy bonus (its gradient goes through the fused backward too): the same weights
     after one step as one rank's plain step (tolerance as tests/test_fsdp_engine.py: 2e-5)."""
     batch = _rollout(n=4)
-    (plain, m_plain, r_plain), = run_ranks(_step, 1, batch, False)
+    (plain, m_plain, r_plain, start, _), = run_ranks(_step, 1, batch, False)
     two = run_ranks(_step, 2, batch, True)
     for k in plain:
         assert torch.allclose(plain[k], two[0][0][k], atol=2e-5), (k, (plain[k] - two[0][0][k]).abs().max())
     assert abs(r_plain["grad_norm"] - two[0][2]["grad_norm"]) < 1e-4
     assert abs(sum(t[1]["pg_loss"] for t in two) - m_plain["pg_loss"]) < 1e-5
+
+    # the no-grad pass through the fused output layer on both ranks: the formula on the model's
+    # own logits (float64 log-softmax at the rollout temperature, 0 at position 0 and on padding)
+    from engine.model.build import build_hf_model
+
+    cfg = load_run_config([]).config
+    model = build_hf_model(cfg.model, "", VOCAB, cfg.trainer.seed, PAD, EOS)
+    model.load_state_dict(start)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logp = torch.log_softmax(logits.double()[:, :-1] / cfg.rollout.temperature, dim=-1)
+    mask = batch.attention_mask[:, 1:].double()
+    want_lp = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * mask
+    want_ent = -(logp.exp() * logp).sum(-1) * mask
+    for *_, (lp, ent) in two:
+        assert not lp[:, 0].any() and not ent[:, 0].any()
+        torch.testing.assert_close(lp[:, 1:].double(), want_lp, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent[:, 1:].double(), want_ent, rtol=0, atol=1e-5)
 
 
 def test_models_that_change_their_logits_or_have_an_adapted_head_are_refused():
@@ -76,3 +98,21 @@ def test_models_that_change_their_logits_or_have_an_adapted_head_are_refused():
     llama = _model()
     llama.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
     assert "with a bias" in unfusable_reason(llama)
+
+
+def test_the_estimate_counts_no_logits_in_any_pass_with_the_fused_output_layer():
+    """engine.fused_lm_head: the update and the no-grad passes hold only the fp32 working set of
+    one chunk of positions (logprob_chunk_tokens x vocab x 8 B: the product and its exp); without
+    it the no-grad passes hold the micro-batch's logits in the model's dtype on top."""
+    from engine.memory.estimate import estimate_memory
+
+    vocab, seq_len, chunk = 1000, 30, 64
+    args = ["data.train_batch_size=16", "model.dtype=bfloat16", f"engine.logprob_chunk_tokens={chunk}"]
+    fused, plain = (estimate_memory(load_run_config([*args, f"engine.fused_lm_head={on}"]).config, vocab_size=vocab,
+                                    seq_len=seq_len) for on in ("true", "false"))
+    tokens = fused.assumptions["micro_batch_tokens"]
+    assert tokens > chunk
+    logits = {(e is fused, p.phase): p.categories["logits"] for e in (fused, plain) for p in e.phases}
+    assert logits[True, "old_log_probs"] == chunk * vocab * 8 and logits[True, "update"] == 0
+    assert logits[False, "old_log_probs"] == tokens * vocab * 2 + chunk * vocab * 8
+    assert logits[False, "update"] == tokens * vocab * 2

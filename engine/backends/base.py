@@ -148,6 +148,13 @@ class TrainEngine(ABC):
     def _finish_gradients(self, model) -> None:
         """After the last backward of a step (megatron: its DDP reduction)."""
 
+    def _pass_log_probs(self, model, batch: SequenceBatch, with_entropy: bool):
+        """A no-grad pass's log-probs (and entropy) of one micro-batch under ``model``: [B, T] each,
+        position t that of input_ids[:, t] (FSDP with engine.fused_lm_head: from the output layer)."""
+        with self._forward_scope(model, batch):
+            logits = self._forward_logits(model, batch)
+        return self._token_log_probs(logits, batch.input_ids, with_entropy)
+
     # ---- the passes, written once --------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False,
@@ -162,9 +169,7 @@ class TrainEngine(ABC):
         out = torch.zeros(B, T)
         ent_out = torch.zeros(B, T) if with_entropy else None
         for mb in self._micro_batches(batch, observe=False):
-            with self._forward_scope(model, mb.batch):
-                logits = self._forward_logits(model, mb.batch)
-            lp, ent = self._token_log_probs(logits, mb.batch.input_ids, with_entropy)
+            lp, ent = self._pass_log_probs(model, mb.batch, with_entropy)
             k, real = mb.num_rows, mb.indices >= 0  # rows past k are bucket padding; -1 = zero-weight twin
             t = min(T, lp.shape[1])
             out[mb.indices[real], :t] = lp[:k][real, :t].float().cpu()

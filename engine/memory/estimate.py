@@ -520,11 +520,11 @@ def _compute(st: ModelStructure, run_cfg: RunConfig, *, seq_len: Optional[int], 
     # fp32 on chunks of positions (z and exp(z - max): 8 B per element), freed chunk by chunk
     chunk = min(tokens, e.logprob_chunk_tokens) * v_rank * 8
     logits_eval = tokens * v_rank * a + chunk
-    if getattr(e, "fused_lm_head", False):  # engine/backends/fused_head.py: the update makes no logits
-        logits_train = 0
-        f["logits"] = (f"none kept in the update (engine.fused_lm_head: the output layer computes the log-probs "
-                       f"{min(tokens, e.logprob_chunk_tokens):,} positions at a time, a {_fmt(chunk)} fp32 working "
-                       f"set); the no-grad passes: {tokens:,} tokens x {v_rank:,} vocab x {a} B + that working set")
+    if getattr(e, "fused_lm_head", False):  # engine/backends/fused_head.py: no pass makes the logits
+        logits_train, logits_eval = 0, chunk
+        f["logits"] = (f"none, in the update or the no-grad passes (engine.fused_lm_head: the output layer computes "
+                       f"the log-probs {min(tokens, e.logprob_chunk_tokens):,} positions at a time, a {_fmt(chunk)} "
+                       f"fp32 working set)")
     else:
         logits_train = tokens * v_rank * a
         f["logits"] = (f"{tokens:,} tokens x {v_rank:,} vocab x {a} B (the logits, kept for backward; the log-probs "

@@ -305,22 +305,34 @@ class FSDPEngine(TrainEngine):
         """engine.fused_lm_head: the forward's output layer yields each position's log-prob of
         the next token and entropy (engine/backends/fused_head.py); no logits are made. What the
         output layer keeps for backward (its input, the hidden states) counts as activations."""
+        with self._measure("activations", key) as meter:
+            if self.activation_offload is not None:
+                self.activation_offload.meter = meter
+            lp, ent = self._fused_head_log_probs(self.model, mb.batch, loss_fn.needs_entropy)
+        if self.activation_offload is not None:
+            self.activation_offload.meter = None
+        return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
+
+    def _fused_head_log_probs(self, model, batch: SequenceBatch, entropy_grad: bool):
+        """(log-prob, entropy) [B, T] of ``batch`` from ``model``'s output layer, laid out as
+        token_log_probs lays them out: position t holds input_ids[:, t]'s, position 0 holds 0."""
         from torch.nn.functional import pad
 
         from engine.backends.fused_head import head_log_probs
 
-        ids = mb.batch.input_ids.to(self.device)
+        ids = batch.input_ids.to(self.device)
         target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts t + 1; the last nothing
-        with self._measure("activations", key) as meter:
-            if self.activation_offload is not None:
-                self.activation_offload.meter = meter
-            with head_log_probs(self.model, target, self.cfg.rollout.temperature,
-                                self.cfg.engine.logprob_chunk_tokens, loss_fn.needs_entropy):
-                out = self._forward_logits(self.model, mb.batch)
-        if self.activation_offload is not None:
-            self.activation_offload.meter = None
-        lp, ent = pad(out[:, :-1, 0], (1, 0)), pad(out[:, :-1, 1], (1, 0))
-        return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
+        with head_log_probs(model, target, self.cfg.rollout.temperature, self.cfg.engine.logprob_chunk_tokens,
+                            entropy_grad):
+            out = self._forward_logits(model, batch)
+        return pad(out[:, :-1, 0], (1, 0)), pad(out[:, :-1, 1], (1, 0))
+
+    def _pass_log_probs(self, model, batch: SequenceBatch, with_entropy: bool):
+        if not self.cfg.engine.fused_lm_head:
+            return super()._pass_log_probs(model, batch, with_entropy)
+        with self._forward_scope(model, batch):  # old and reference log-probs without the logits too
+            lp, ent = self._fused_head_log_probs(model, batch, entropy_grad=False)
+        return lp, (ent if with_entropy else None)
 
     # ---- rollout ------------------------------------------------------------------------
     @contextmanager
