@@ -24,6 +24,7 @@ machine) and removes its temp dir."""
 
 import fcntl
 import os
+import sys
 
 import pytest
 
@@ -36,6 +37,12 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The repo's modules compiled once per test run rather than by every process: where the machine
+# sets PYTHONDONTWRITEBYTECODE (these machines do), each of the suite's ~600 `rl` drivers and rank
+# processes compiled engine/ from source again, ~2% of the suite's CPU (docs/benchmarks.md, "Test
+# suite"). __pycache__ is git-ignored.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ.pop("RAY_ADDRESS", None)
 # Output drawn as CI draws it (not a terminal: 80 columns, no colour), whatever started pytest:
 # rich takes its width from COLUMNS, else from any standard stream that is a terminal (stdin
