@@ -53,6 +53,8 @@ def _step(rank, world, batch, fused: bool):
     eng.build()
     weights = {k: v.clone() for k, v in eng.export_hf_state_dict().items()}  # before the step
     passed = eng.compute_log_probs(batch, with_entropy=True)  # the no-grad pass (old/reference log-probs)
+    lp_only, none = eng.compute_log_probs(batch)  # as the old/reference passes ask: no entropy computed
+    assert none is None and torch.equal(lp_only, passed[0])
     stats = eng.train_step(batch.select(shard_slices(len(batch), world)[rank]), PolicyLoss(cfg.algorithm, world))
     return {k: v.clone() for k, v in eng.export_hf_state_dict().items()}, stats.metrics, stats.replicated, \
         weights, passed

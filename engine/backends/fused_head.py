@@ -45,17 +45,19 @@ def unfusable_reason(model) -> str:
 
 
 @contextmanager
-def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens: int, entropy_grad: bool):
+def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens: int, entropy_grad: bool,
+                   with_entropy: bool = True):
     """Within the block, ``model(...).logits`` is [B, T, 2]: log p(target[:, t]) and the entropy
-    at each position (``target`` [B, T] on the model's device). One forward per block."""
+    at each position (``target`` [B, T] on the model's device; without ``with_entropy``, zeros
+    where the entropy would be, not computed). One forward per block."""
     head = _causal_lm(model).get_output_embeddings()
     had_own = "forward" in head.__dict__
     own = head.__dict__.get("forward")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        lp, ent = linear_log_probs(hidden, head.weight, target, temperature, with_entropy=True,
+        lp, ent = linear_log_probs(hidden, head.weight, target, temperature, with_entropy=with_entropy,
                                    entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
-        return torch.stack([lp, ent], dim=-1)
+        return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
 
     head.forward = forward
     try:

@@ -313,9 +313,10 @@ class FSDPEngine(TrainEngine):
             self.activation_offload.meter = None
         return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
 
-    def _fused_head_log_probs(self, model, batch: SequenceBatch, entropy_grad: bool):
+    def _fused_head_log_probs(self, model, batch: SequenceBatch, entropy_grad: bool, with_entropy: bool = True):
         """(log-prob, entropy) [B, T] of ``batch`` from ``model``'s output layer, laid out as
-        token_log_probs lays them out: position t holds input_ids[:, t]'s, position 0 holds 0."""
+        token_log_probs lays them out: position t holds input_ids[:, t]'s, position 0 holds 0
+        (the entropy None without ``with_entropy``)."""
         from torch.nn.functional import pad
 
         from engine.backends.fused_head import head_log_probs
@@ -323,16 +324,15 @@ class FSDPEngine(TrainEngine):
         ids = batch.input_ids.to(self.device)
         target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts t + 1; the last nothing
         with head_log_probs(model, target, self.cfg.rollout.temperature, self.cfg.engine.logprob_chunk_tokens,
-                            entropy_grad):
+                            entropy_grad, with_entropy):
             out = self._forward_logits(model, batch)
-        return pad(out[:, :-1, 0], (1, 0)), pad(out[:, :-1, 1], (1, 0))
+        return pad(out[:, :-1, 0], (1, 0)), (pad(out[:, :-1, 1], (1, 0)) if with_entropy else None)
 
     def _pass_log_probs(self, model, batch: SequenceBatch, with_entropy: bool):
         if not self.cfg.engine.fused_lm_head:
             return super()._pass_log_probs(model, batch, with_entropy)
         with self._forward_scope(model, batch):  # old and reference log-probs without the logits too
-            lp, ent = self._fused_head_log_probs(model, batch, entropy_grad=False)
-        return lp, (ent if with_entropy else None)
+            return self._fused_head_log_probs(model, batch, entropy_grad=False, with_entropy=with_entropy)
 
     # ---- rollout ------------------------------------------------------------------------
     @contextmanager
