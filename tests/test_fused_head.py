@@ -1,9 +1,9 @@
 """engine.fused_lm_head: the output layer computing the log-probs inside the model's forward
 (engine/backends/fused_head.py) gives the log-softmax of the model's own logits and the same
 gradients for every parameter; an FSDP2 step on two gloo ranks, with the output layer in the root
-unit (gathered only inside the forward), equals a plain one-rank step, and its no-grad pass (old and
-reference log-probs) gives the formula's log-probs and entropy without making the logits; models whose forward
-changes the logits after the output layer are refused."""
+unit (gathered only inside the forward), equals a plain one-rank step, and its no-grad pass (old
+and reference log-probs) gives the formula's log-probs and entropy without making the logits;
+models whose forward changes the logits after the output layer are refused."""
 
 from __future__ import annotations
 
