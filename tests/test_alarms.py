@@ -4,14 +4,13 @@ the default job's real records; trainer.stop_on_alarm stops a real run with a ch
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.algorithms.alarms import AlarmMonitor
 from engine.config.schema import AlarmsConfig
+from tests.cli_utils import rl
 
 # metrics.jsonl of `rl train trainer.val_freq=10` (the embedded default job, 40 steps),
 # trimmed to the fields the alarms read. Its responses drift to max_new_tokens (echo does not
@@ -93,10 +92,9 @@ def test_stop_on_alarm_stops_cleanly_with_a_checkpoint(tmp_path):
     """An entropy threshold no policy can meet makes the alarm fire at step 2; with
     trainer.stop_on_alarm=true the run ends there, saves step_2 and reports why."""
     d = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=6",
-                        "data.train_batch_size=8", "checkpoint.save_freq=0", f"checkpoint.dir={d}",
-                        "trainer.stop_on_alarm=true", "alarms.entropy_min=100", "alarms.entropy_steps=2",
-                        "alarms.entropy_reward_max=2", "--json"], capture_output=True, text=True, timeout=600)
+    r = rl("train", "trainer.total_steps=6", "data.train_batch_size=8", "checkpoint.save_freq=0", f"checkpoint.dir={d}",
+           "trainer.stop_on_alarm=true", "alarms.entropy_min=100", "alarms.entropy_steps=2", "alarms.entropy_reward_max=2",
+           "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["stopped_by_alarm"] == "entropy_collapse" and s["last_step"] == 2

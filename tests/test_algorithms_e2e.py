@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.cli_utils import rl as run_rl
+
 
 def rl(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout)
 
 
 @pytest.mark.slow

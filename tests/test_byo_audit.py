@@ -212,22 +212,15 @@ def test_rl_train_on_a_truncated_model_exits_2_without_a_traceback(tmp_path, lla
     """The real command: a model directory whose download was cut short stops before any rank
     starts (exit 2, one paragraph, no run directory), and a reward module that raises at import
     the same way."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.cli_utils import rl
 
-    repo = Path(__file__).resolve().parents[1]
     d = broken_copy(llama_dir, tmp_path / "cut", _truncate)
     (tmp_path / "rewards_at_import.py").write_text("raise ImportError('needs a GPU', name='cuda_thing')\n")
     rows = tmp_path / "p.jsonl"
     rows.write_text(jsonl(ROWS))
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     for args, needle in (([f"model.path={d}", "task.reward_fn=rl:exact_match"], "is cut short"),
                          (["task.reward_fn=rewards_at_import:r"], "importing `rewards_at_import` failed")):
-        r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", "task=dataset", f"task.path={rows}",
-                            "checkpoint.dir=run", *args], capture_output=True, text=True, cwd=tmp_path, env=env,
-                           timeout=300)
+        r = rl("train", "task=dataset", f"task.path={rows}", "checkpoint.dir=run", *args, cwd=tmp_path, timeout=300)
         flat = " ".join(r.stderr.replace("│", " ").split())
         assert r.returncode == 2 and "Traceback" not in r.stderr and needle in flat, r.stderr[-3000:]
         assert not (tmp_path / "run").exists()

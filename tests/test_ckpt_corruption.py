@@ -12,14 +12,13 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.ckpt_tools import edit_manifest, plant_code_in_shard, reseal, tree_state
+from tests.cli_utils import rl as run_rl
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +26,8 @@ STEP = "step_2"
 
 
 def rl(*args, timeout=900):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout, env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -403,14 +403,11 @@ def test_critic_model_path_is_checked_before_the_run(policy_and_critics, tmp_pat
 def test_ppo_with_a_critic_from_its_own_model_directory_trains(policy_and_critics, tmp_path):
     """No run had ever used `critic.model_path`: the critic is built from that directory (the
     checkpoint holds its Qwen2 q_proj biases, which the Llama policy has none of)."""
-    import subprocess
-    import sys
+    from tests.cli_utils import rl
 
     policy, critic, _ = policy_and_critics
-    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", f"checkpoint.dir={tmp_path / 'run'}",
-                        "algorithm=ppo", f"model.path={policy}", f"critic.model_path={critic}",
-                        "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2"],
-                       capture_output=True, text=True, timeout=600)
+    r = rl("train", f"checkpoint.dir={tmp_path / 'run'}", "algorithm=ppo", f"model.path={policy}",
+           f"critic.model_path={critic}", "trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_n=2")
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli("inspect-ckpt", str(tmp_path / "run" / "step_2"), "--keys", "*q_proj.bias", "--json")
     names = [t["name"] for t in json.loads(r.stdout)["tensors"]]

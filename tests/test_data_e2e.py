@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.cli_utils import rl as run_rl
+
 REWARDS = '''
 import os
 
@@ -43,8 +45,8 @@ SMALL = ["trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_
 
 
 def rl(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_utils import rl_concurrently
+from tests.cli_utils import rl_concurrently, rl as run_rl
 from tests.test_completion import _bash_protocol, _run_rl, rl_bin, workdir  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,9 +27,8 @@ RL_ENV = {"OMP_NUM_THREADS": "1"}  # with PYTHONPATH=REPO, as tests/cli_utils.rl
 
 
 def rl(*args, cwd=None, timeout=900):
-    env = {**os.environ, "PYTHONPATH": str(REPO), **RL_ENV}
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, cwd=cwd, timeout=timeout)
 
 
 def train_run(run_dir: Path, *extra: str) -> Path:

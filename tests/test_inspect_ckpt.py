@@ -533,16 +533,11 @@ def test_reads_what_rl_train_writes(tmp_path):
     complete rl checkpoints whose files match their manifest, with every trainable
     parameter carrying full AdamW state and no orphans."""
     import os
-    import subprocess
-    import sys
+    from tests.cli_utils import rl
 
-    root = Path(__file__).resolve().parents[1]
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlcli.main", "train", "trainer.total_steps=2",
-         "checkpoint.save_freq=1", f"checkpoint.dir={ckpt}", "data.train_batch_size=4", "--json"],
-        cwd=root, capture_output=True, text=True, timeout=540,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = rl("train", "trainer.total_steps=2", "checkpoint.save_freq=1", f"checkpoint.dir={ckpt}",
+              "data.train_batch_size=4", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = inspect_path(ckpt)
     assert run.format == "rl-run" and run.latest == "step_2"

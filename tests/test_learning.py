@@ -17,16 +17,11 @@ tests/test_update_parity.py check those pieces one by one against their formulas
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.cli_utils import rl
 from tests.learning_job import count_job
-
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, NEW_TOKENS = 30, 16
 
 
@@ -45,12 +40,9 @@ def test_rl_learns_to_stop(job, seed, mode, tmp_path):
 
     work, job_dir = job
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlcli.main", "train",
-           *rl_overrides(job_dir, work / "model", seed, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
+    r = rl("train", *rl_overrides(job_dir, work / "model", seed, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
            "optim.lr=3e-3", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}",
-           f"trainer.mode={mode}"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True, timeout=400)
+           f"trainer.mode={mode}", cwd=job_dir)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert len(rows) == STEPS

@@ -5,14 +5,12 @@ merges the adapters (or writes a PEFT adapter directory) to what the policy gene
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli_utils import rl as run_rl
 from tests.dist_utils import run_ranks
 
 pytest.importorskip("peft")
@@ -116,9 +114,8 @@ def test_lora_trains_and_checkpoints_only_adapters_and_resumes_exactly(tmp_path)
 
 
 def rl(*args, timeout=3000):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout)
 
 
 @pytest.mark.slow

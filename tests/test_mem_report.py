@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from tests.cli_utils import SMALL_RUN
+from tests.cli_utils import SMALL_RUN, rl as run_rl
 
 GiB = 1 << 30
 
@@ -36,9 +34,8 @@ def mem_report(*args: str):
 
 
 def rl(*args, timeout=900):
-    """The real CLI in a subprocess (runs that start Ray stay out of the test process)."""
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"})
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout, env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
 def assert_clean_exit_2(res, *needles: str) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from engine.config.load import load_run_config
+from tests.cli_utils import rl
 from tests.dist_utils import run_ranks
 from tests.test_fsdp_engine import _batch, _engine
 
@@ -76,9 +75,8 @@ def test_a_run_that_keeps_diverging_stops_cleanly(tmp_path):
     """optim.lr=1e30: after the first update every gradient is nan. The run used to train on
     (nan loss in every row, nothing learned, to total_steps); now each update is skipped and
     alarms.nonfinite_steps=2 such steps in a row stop it with exit 2 and no traceback."""
-    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", f"checkpoint.dir={tmp_path / 'run'}",
-                        "optim.lr=1e30", "optim.grad_clip=0", "trainer.total_steps=10", "alarms.nonfinite_steps=2",
-                        "task.num_val=0", "trainer.val_freq=0"], capture_output=True, text=True, timeout=600)
+    r = rl("train", f"checkpoint.dir={tmp_path / 'run'}", "optim.lr=1e30", "optim.grad_clip=0", "trainer.total_steps=10",
+           "alarms.nonfinite_steps=2", "task.num_val=0", "trainer.val_freq=0")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "Training diverged" in " ".join(r.stderr.split()), r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

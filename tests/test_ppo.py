@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 
 from engine.algorithms.value_loss import value_loss
 from engine.backends.fsdp.critic import ValueModel
-from tests.cli_utils import cli
+from tests.cli_utils import cli, rl as run_rl
 from tests.dist_utils import full_tensor, run_ranks
 
 
@@ -50,8 +48,8 @@ def test_value_model_reads_the_prefix_before_each_token():
 
 
 def rl(*args, timeout=1200):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout)
 
 
 # 30 steps on both engines, which train the same model since the pad token's embedding trains on

@@ -32,7 +32,7 @@ from engine.checkpoint.run_files import truncate_jsonl
 from engine.checkpoint.resume_rules import classify
 from engine.errors import CheckpointError
 from tests.ckpt_tools import reseal
-from tests.cli_utils import rl_concurrently
+from tests.cli_utils import rl_concurrently, rl as run_rl
 
 TINY = ["trainer.total_steps=4", "checkpoint.save_freq=2", "data.train_batch_size=4", "algorithm.rollout_n=2"]
 
@@ -399,9 +399,8 @@ RL_ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "NO_COLOR": "1"}
 
 
 def rl(*args, timeout=900):
-    env = dict(os.environ, **RL_ENV)
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, timeout=timeout, env=RL_ENV)
 
 
 def dcp_tensors(state_dir: Path) -> dict:

@@ -359,17 +359,14 @@ def test_rl_train_passes_completion_ids_and_trainer_state(tmp_path):
     response's sampled token ids (its reward, len(ids), is the logged reward) and where training
     is: global_step = steps completed (0, 1), max_steps = trainer.total_steps, epoch = prompts
     drawn / prompts; the validations before step 1 and after step 2 see global_step 0 and 2."""
-    import subprocess
-    import sys
+    from tests.cli_utils import rl
 
     rows = [{"prompt": f"say {w}:", "answer": w} for w in ["hi", "ok", "yes", "no"] * 5]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "recording.py").write_text(RECORDING)
-    r = subprocess.run([sys.executable, "-m", "rlcli.main", "train", "task=dataset", "task.path=train.jsonl",
-                        "task.reward_fn=recording:record", "task.num_val=4", "trainer.total_steps=2",
-                        "trainer.val_freq=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
-                        "rollout.max_new_tokens=4", "checkpoint.dir=ck", "--json"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = rl("train", "task=dataset", "task.path=train.jsonl", "task.reward_fn=recording:record", "task.num_val=4",
+           "trainer.total_steps=2", "trainer.val_freq=2", "data.train_batch_size=4", "algorithm.rollout_n=2",
+           "rollout.max_new_tokens=4", "checkpoint.dir=ck", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     calls = [json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()]
     val, train = [calls[0], calls[3]], calls[1:3]  # validation before step 1 and after step 2

@@ -8,14 +8,13 @@ weight and logged on its own."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.errors import ConfigError
 from tiny_hf import char_tokenizer, hf_config, save_tiny_model  # the echo alphabet: "abcdefgh:", space
+from tests.cli_utils import rl as run_rl
 
 
 def save_reward_model(out: Path, num_labels: int = 1, seed: int = 0) -> Path:
@@ -126,8 +125,8 @@ def test_non_finite_scores_fail_the_batch_under_the_policy(rm_dir):
 
 # ---- end to end --------------------------------------------------------------------------
 def rl(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +19,7 @@ from engine.rewards.compute import RewardError, RewardRunner
 from engine.rewards.remote import RemoteScorer, check_reachable
 from engine.rewards.scorers import ScorerFailed
 from engine.rewards.spec import RewardFnSpec
+from tests.cli_utils import rl as run_rl
 
 
 class Scorer(BaseHTTPRequestHandler):
@@ -220,8 +219,8 @@ SMALL = ["trainer.total_steps=2", "data.train_batch_size=4", "algorithm.rollout_
 
 
 def rl(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture

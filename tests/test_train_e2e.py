@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.cli_utils import rl_concurrently
+from tests.cli_utils import rl_concurrently, rl as run_rl
 
 
 def rl(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "rlcli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    """The real CLI (tests/cli_utils.rl: a run in this process, other commands as a subprocess)."""
+    return run_rl(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -30,16 +30,12 @@ rl clips 29 % at step 2 and its gradient norm there is 4 % off the loop's.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_utils import rl
 from tests.learning_job import count_job
-
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, NEW_TOKENS, LR, SEED = 4, 16, 3e-3, 3
 
 
@@ -51,11 +47,9 @@ def job(tmp_path_factory):
 def rl_steps(work: Path, job_dir: Path, run_dir: Path, *extra: str) -> list[dict]:
     from bench.learning import rl_overrides
 
-    cmd = [sys.executable, "-m", "rlcli.main", "train",
-           *rl_overrides(job_dir, work / "model", SEED, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
-           f"optim.lr={LR}", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}", *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=job_dir, env=env, capture_output=True, text=True, timeout=300)
+    r = rl("train", *rl_overrides(job_dir, work / "model", SEED, STEPS, loss="token-mean", new_tokens=NEW_TOKENS),
+           f"optim.lr={LR}", "trainer.threads_per_rank=1", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}",
+           *extra, cwd=job_dir)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
