@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.resolved import ResolvedRun
 from engine.host_heap import keep_host_heap
+from engine.import_gc import imports_without_gc
 from engine.threads import configure_torch_threads
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ def rollout_seed(seed: int) -> int:
 class RolloutWorker:
     def __init__(self, run: ResolvedRun, threads: int):
         self.run, self.cfg = run, run.config
-        configure_torch_threads(threads)
+        with imports_without_gc():  # engine/import_gc.py
+            configure_torch_threads(threads)
         if self.cfg.trainer.keep_host_heap:
             keep_host_heap()
         self.version = -1

@@ -202,11 +202,15 @@ def _run(cfg: RunConfig, run_dir: Path, rdir: RunDir, inputs: RunInputs, *, chan
 
 
 def _load_step_modules() -> None:
-    """torch and the step's algorithms (imported where used; loaded here once, ahead of time)."""
-    import torch  # noqa: F401
+    """torch and the step's algorithms (imported where used; loaded here once, ahead of time,
+    without the collector's passes: engine/import_gc.py)."""
+    from engine.import_gc import imports_without_gc
 
-    import engine.algorithms.dynamic_sampling  # noqa: F401
-    import engine.algorithms.estimators  # noqa: F401
+    with imports_without_gc():
+        import torch  # noqa: F401
+
+        import engine.algorithms.dynamic_sampling  # noqa: F401
+        import engine.algorithms.estimators  # noqa: F401
 
 
 def start_rollout_ahead(cfg: RunConfig, inputs: RunInputs, workers, stream: PromptStream, start_step: int, resume):

@@ -19,6 +19,7 @@ from engine.config.schema import RunConfig
 from engine.interfaces import RolloutSampler, TrainingEngine
 from engine.memory.oom import oom_guard
 from engine.host_heap import keep_host_heap
+from engine.import_gc import imports_without_gc
 from engine.threads import adapt_threads, configure_torch_threads, omp_wait_now, restore_rank_priority
 
 if TYPE_CHECKING:
@@ -58,18 +59,19 @@ class RankWorker:
         note = restore_rank_priority()  # Ray's niceness 15 -> the launching command's (engine/threads.py)
         if note:
             print(f"rl rank {rank}: {note}", file=sys.stderr, flush=True)
-        configure_torch_threads(threads)  # before torch's first parallel region: its thread pool
+        with imports_without_gc():  # torch, transformers and the backend (engine/import_gc.py)
+            configure_torch_threads(threads)  # before torch's first parallel region: its thread pool
+            import torch
+
+            # RL_DETERMINISTIC=1 (a diagnosis aid: bench/gpu_check_train.sh): torch's deterministic kernels only
+            torch.use_deterministic_algorithms(os.environ.get("RL_DETERMINISTIC") == "1", warn_only=True)
+            _preload(self.cfg)
         if self.cfg.trainer.keep_host_heap:  # steps reuse freed memory, no page faults (engine/host_heap.py)
             keep_host_heap()
         # trainer.adapt_threads (with threads_per_rank=0): follow the free cores each phase; only
         # when asked, because the thread count changes how float sums are split
         t = self.cfg.trainer
         self._max_threads = threads if t.threads_per_rank == 0 and t.adapt_threads else 0
-        import torch
-
-        # RL_DETERMINISTIC=1 (a diagnosis aid: bench/gpu_check_train.sh): torch's deterministic kernels only
-        torch.use_deterministic_algorithms(os.environ.get("RL_DETERMINISTIC") == "1", warn_only=True)
-        _preload(self.cfg)
 
     # ---- setup --------------------------------------------------------------------------
     def placement(self) -> dict:
