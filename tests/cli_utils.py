@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import subprocess
-import subprocess as _subprocess
 import sys
 import tempfile
 import time
@@ -51,20 +50,20 @@ def _rl_env(env: dict | None) -> dict:
 # "Test suite") are then paid once per test worker instead of once per command. The ranks are
 # real Ray actors in their own processes either way. What a separate driver process adds (its
 # exit path, its environment, signals, being killed) is what the tests that pass ``env``/``pre``
-# or ``subprocess=True`` test. `RL_TEST_SUBPROCESS=1` runs every command as a subprocess.
+# or ``own_process=True`` test. `RL_TEST_SUBPROCESS=1` runs every command as a subprocess.
 IN_PROCESS = ("train", "resume", "mem-report", "export")
 
 
 def rl(*args: str, cwd=None, timeout: float = 600, env: dict | None = None, pre: str = "",
-       subprocess: bool = False):
+       own_process: bool = False):
     """`rl ARGS` using this tree: a run (``IN_PROCESS``) in this process, anything else, or any
     call with ``env``, ``pre`` (Python run before the CLI starts, e.g. hide a package with
-    ``sys.modules['megatron'] = None``) or ``subprocess=True``, as a subprocess. Returns a
+    ``sys.modules['megatron'] = None``) or ``own_process=True``, as a subprocess. Returns a
     CompletedProcess either way; an in-process exception that `rl` would have printed as a
     traceback is in its stderr, with exit status 1, as a subprocess would show it."""
-    if not subprocess and _in_process(args, env, pre):
+    if not own_process and _in_process(args, env, pre):
         return rl_in_process(*args, cwd=cwd, env=env)
-    return _subprocess.run(_rl_argv(args, pre), capture_output=True, text=True, cwd=cwd, timeout=timeout,
+    return subprocess.run(_rl_argv(args, pre), capture_output=True, text=True, cwd=cwd, timeout=timeout,
                            env=_rl_env(env))
 
 
@@ -118,7 +117,7 @@ def _as_its_own_process(cwd):
             signal.signal(sig, handler)
 
 
-def rl_in_process(*args: str, cwd=None, env: dict | None = None) -> _subprocess.CompletedProcess:
+def rl_in_process(*args: str, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
     """`rl ARGS` through the Typer app in this process, in ``cwd``, with ``env``'s
     ``PER_COMMAND_VARS`` set while it runs: exit status, stdout and stderr as the `rl` process
     gives them (rlcli/main.py adds only the fast exit around the app)."""
@@ -133,7 +132,7 @@ def rl_in_process(*args: str, cwd=None, env: dict | None = None) -> _subprocess.
     err = r.stderr
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         err += "".join(traceback.format_exception(r.exception))
-    return _subprocess.CompletedProcess(["rl", *args], r.exit_code, r.stdout, err)
+    return subprocess.CompletedProcess(["rl", *args], r.exit_code, r.stdout, err)
 
 
 def rl_concurrently(*calls: Sequence[str], cwd=None, timeout: float = 600, env: dict | None = None,

@@ -54,6 +54,7 @@ for _var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
     os.environ.pop(_var, None)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HEAD: list = []  # this process's session Ray head, for the CPU log below
 SESSION_RAY_CPUS = 8  # logical CPUs: room for a 2-rank run while a killed run's actors wind down
 
 
@@ -71,6 +72,7 @@ def session_ray_head():
         assert r.returncode == 0, f"the session's Ray head did not start:\n{r.stdout}\n{r.stderr}"
         os.environ["RAY_TMPDIR"] = str(head.tmp)
         os.environ["RAY_ADDRESS"] = head.address
+        _HEAD.append(head)
         yield head.address
     finally:
         os.environ.pop("RAY_ADDRESS", None)
@@ -147,3 +149,72 @@ def _forget_env_values():
     forget_env_values()
     yield
     forget_env_values()
+
+
+
+class _HeadCpu:
+    """CPU-seconds of this worker's Ray head and every process under it (ranks, rollout and
+    reward workers) while a test runs: sampled every 0.25 s, since the raylet does not account its
+    exited workers' time; a process that lives less than one sample interval is missed."""
+
+    def __init__(self):
+        import threading
+
+        self.seen: dict[int, float] = {}
+        self.base: dict[int, float] = {}
+        self.stop = threading.Event()
+        self._sample(self.base)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _sample(self, into: dict) -> None:
+        import psutil
+
+        from tests.ray_procs import processes_naming
+
+        if not _HEAD:
+            return
+        for p in processes_naming(str(_HEAD[0].tmp)) + processes_naming(_HEAD[0].address):
+            try:
+                t = p.cpu_times()
+                into[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.25):
+            self._sample(self.seen)
+
+    def total(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        self._sample(self.seen)
+        return sum(v - self.base.get(pid, 0.0) for pid, v in self.seen.items())
+
+
+def _own_cpu_seconds() -> float:
+    """This test process and the children it reaped (subprocess drivers and their private Rays)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_log(request):
+    """RL_TEST_CPU_LOG=FILE: one JSON line per test with the CPU-seconds it cost (this process and
+    its reaped children; this worker's Ray head and the processes under it): which tests the
+    suite's CPU goes to, per test rather than per wall-clock second (docs/benchmarks.md)."""
+    path = os.environ.get("RL_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    t0, own0, head = time.monotonic(), _own_cpu_seconds(), _HeadCpu()
+    yield
+    ray_s, own_s = head.total(), _own_cpu_seconds() - own0
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": request.node.nodeid, "wall_s": round(time.monotonic() - t0, 2),
+                            "own_cpu_s": round(own_s, 2), "ray_cpu_s": round(ray_s, 2)}) + "\n")

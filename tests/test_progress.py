@@ -195,7 +195,7 @@ def test_a_real_run_on_a_terminal_and_on_a_pipe(tmp_path):
     assert "step 0/3" in plain and "step 3/3" in plain and re.search(r"ETA \d:\d\d:\d\d", plain), plain[-3000:]
     assert re.search(r"elapsed \d:\d\d:\d\d", plain) and "s/step" in plain
 
-    piped = rl(*RUN, f"checkpoint.dir={tmp_path / 'pipe'}", cwd=tmp_path, timeout=300)
+    piped = rl(*RUN, f"checkpoint.dir={tmp_path / 'pipe'}", cwd=tmp_path, timeout=300, own_process=True)
     assert piped.returncode == 0, piped.stderr[-3000:]
     assert ESC not in piped.stdout and "ETA" not in piped.stdout, piped.stdout
     rows = [line for line in piped.stdout.splitlines() if re.match(r"^\s+\d+\s+-?\d+\.\d{3}\s", line)]
