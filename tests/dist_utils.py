@@ -1,4 +1,11 @@
-"""Run a function on N real gloo ranks (spawned processes on 127.0.0.1) and collect results."""
+"""Run a function on N real gloo ranks (processes on 127.0.0.1) and collect results.
+
+The ranks are forked from a multiprocessing fork server that has imported torch, transformers and
+the backends once (``PRELOAD``), instead of each starting a fresh interpreter (``spawn``) that
+imports them again: ~4-5 CPU-s per rank, and the suite starts ~90 of them (docs/benchmarks.md,
+"Test suite"). Each rank still is a new process, forked from a server that has done nothing but
+import; it gets the test process's environment, working directory and sys.path, as a spawned one
+would."""
 
 from __future__ import annotations
 
@@ -7,10 +14,17 @@ import tempfile
 
 import torch.multiprocessing as mp
 
+# what the fork server imports before it forks the first rank (a module missing here is skipped)
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers.modeling_utils",
+           "transformers.models.llama.modeling_llama", "engine.backends.fsdp.engine", "megatron.core",
+           "engine.backends.megatron.engine"]
 
-def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str) -> None:
+
+def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str, env: dict) -> None:
     import pickle
 
+    os.environ.clear()  # the test process's environment now, not the fork server's from its start
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -37,14 +51,29 @@ def exit_after_barrier() -> None:
     os._exit(0)
 
 
+def _with_env(rank: int, env: dict, fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server (as ``mp.spawn``
+    would start them, with this process's environment), joined; raises if any fails."""
+    mp.set_forkserver_preload(PRELOAD)
+    mp.start_processes(_with_env, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
 def run_ranks(fn, world: int, *args):
     """fn(rank, world, *args) on ``world`` gloo ranks; returns the list of per-rank results."""
     import pickle
 
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
-        mp.start_processes(_entry, args=(world, store, fn, args, d), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
+        mp.start_processes(_entry, args=(world, store, fn, args, d, dict(os.environ)), nprocs=world, join=True,
+                           start_method="forkserver")
         out = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:

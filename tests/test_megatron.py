@@ -376,10 +376,9 @@ def _session_tp1(rank: int, world: int, workdir: str) -> None:
 
 
 def _spawn(fn, world: int, workdir: str, name: str) -> None:
-    import torch.multiprocessing as mp
+    from tests.dist_utils import start_ranks
 
-    store = os.path.join(workdir, f"store_{name}")
-    mp.spawn(fn, args=(world, store, workdir), nprocs=world, join=True)
+    start_ranks(fn, (world, os.path.join(workdir, f"store_{name}"), workdir), world)
 
 
 @pytest.fixture(scope="module")

@@ -185,11 +185,11 @@ def _session(rank: int, world: int, store: str, workdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    import torch.multiprocessing as mp
+    from tests.dist_utils import start_ranks
 
     workdir = str(tmp_path_factory.mktemp("megatron_critic"))
     sys.path.insert(0, os.path.dirname(__file__))
-    mp.spawn(_session, args=(2, os.path.join(workdir, "store"), workdir), nprocs=2, join=True)
+    start_ranks(_session, (2, os.path.join(workdir, "store"), workdir), 2)
     tp2 = torch.load(os.path.join(workdir, "critic_tp2.pt"), weights_only=False)["rec"]
     tp1 = torch.load(os.path.join(workdir, "critic_tp1.pt"), weights_only=False)
     print(f"\nmegatron critic measured: tp2={tp2} tp1={tp1}")

@@ -540,13 +540,12 @@ def _rank_entry(rank: int, world: int, store: str, fn, args) -> None:
 def test_dcp_reshard_restores_every_entry_exactly(straight1, straight2, tmp_path):
     """Loading a 2-rank checkpoint on 1 rank (and a 1-rank one on 2) and saving it again gives
     the same DCP content bit for bit: parameters and every AdamW entry survive resharding."""
-    import torch.multiprocessing as mp
+    from tests.dist_utils import start_ranks
 
     for src, world, name in ((straight2, 1, "2to1"), (straight1, 2, "1to2")):
         out = tmp_path / name
-        mp.start_processes(_rank_entry, args=(world, str(tmp_path / f"{name}.store"), _reload_and_resave,
-                                              (str(src / "step_2"), str(out))), nprocs=world, join=True,
-                           start_method="spawn")
+        start_ranks(_rank_entry, (world, str(tmp_path / f"{name}.store"), _reload_and_resave,
+                                  (str(src / "step_2"), str(out))), world)
         assert_same_state(dcp_tensors(src / "step_2" / "state"), dcp_tensors(out))
 
 
@@ -764,10 +763,9 @@ def test_backfill_and_refusal_on_megatron_optimizer_layout(tmp_path):
     state, everything else loads bit-exactly, a deleted entry is refused by name and accepted
     with allow_partial."""
     pytest.importorskip("megatron.core")
-    import torch.multiprocessing as mp
+    from tests.dist_utils import start_ranks
 
-    mp.start_processes(_rank_entry, args=(1, str(tmp_path / "store"), _megatron_session, (str(tmp_path),)),
-                       nprocs=1, join=True, start_method="spawn")
+    start_ranks(_rank_entry, (1, str(tmp_path / "store"), _megatron_session, (str(tmp_path),)), 1)
     r = torch.load(tmp_path / "megatron.pt", weights_only=False)
     assert r["report"]["backfilled"] == [r["backfilled"]]
     assert r["report"]["loaded"] == len(r["names"]) - 1
