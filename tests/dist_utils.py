@@ -20,11 +20,9 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "t
            "engine.backends.megatron.engine"]
 
 
-def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str, env: dict) -> None:
+def _entry(rank: int, world: int, store_path: str, fn, args, out_dir: str) -> None:
     import pickle
 
-    os.environ.clear()  # the test process's environment now, not the fork server's from its start
-    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -52,7 +50,7 @@ def exit_after_barrier() -> None:
 
 
 def _with_env(rank: int, env: dict, fn, args) -> None:
-    os.environ.clear()
+    os.environ.clear()  # the test process's environment now, not the fork server's from its start
     os.environ.update(env)
     fn(rank, *args)
 
@@ -60,7 +58,7 @@ def _with_env(rank: int, env: dict, fn, args) -> None:
 def start_ranks(fn, args: tuple, nprocs: int) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server (as ``mp.spawn``
     would start them, with this process's environment), joined; raises if any fails."""
-    mp.set_forkserver_preload(PRELOAD)
+    mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
     mp.start_processes(_with_env, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
                        start_method="forkserver")
 
@@ -71,9 +69,7 @@ def run_ranks(fn, world: int, *args):
 
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
-        mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
-        mp.start_processes(_entry, args=(world, store, fn, args, d, dict(os.environ)), nprocs=world, join=True,
-                           start_method="forkserver")
+        start_ranks(_entry, (world, store, fn, args, d), world)
         out = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:
