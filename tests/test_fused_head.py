@@ -1,7 +1,9 @@
 """engine.fused_lm_head: the output layer computing the log-probs inside the model's forward
 (engine/backends/fused_head.py) gives the log-softmax of the model's own logits and the same
-gradients for every parameter; an FSDP2 step on two gloo ranks, with the output layer in the root
-unit (gathered only inside the forward), equals a plain one-rank step, and its no-grad pass (old
+gradients for every parameter, in the plain forward and in the prompt-grouped one (each distinct
+prompt once, its last position handed to every sample inside the output layer); an FSDP2 step on
+two gloo ranks, with the output layer in the root unit (gathered only inside the forward) and the
+prompts grouped, equals a plain one-rank step of the plain forward, and its no-grad pass (old
 and reference log-probs) gives the formula's log-probs and entropy without making the logits;
 models whose forward changes the logits after the output layer are refused."""
 
@@ -12,6 +14,8 @@ import torch
 from engine.algorithms.logprobs import token_log_probs
 from engine.config.load import load_run_config
 from engine.backends.fused_head import head_log_probs, unfusable_reason
+from engine.backends.prompt_sharing import grouped_logits
+from engine.batching.prompt_groups import group_prompts, to_response_columns
 from tests.dist_utils import run_ranks
 from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _model, _rollout
 
@@ -42,6 +46,42 @@ def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_log
         assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
 
 
+def test_the_grouped_fused_forward_gives_the_log_softmax_and_gradients_at_every_response_token():
+    """The formula on the plain forward's logits (float64 log-softmax at each response token's
+    position, with an entropy bonus) against the grouped forward whose output layer computes
+    them: the prompt pass runs each distinct prompt once and its last position predicts every
+    sample's own first token."""
+    batch = _rollout()
+    model = _model().train()
+    ids, attn = batch.input_ids, batch.attention_mask
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
+    mask = batch.response_mask[:, 1:].double()
+    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1) * mask
+    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
+    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+
+    groups = group_prompts(batch, PAD)
+    assert groups is not None and groups.num_prompts < len(batch)  # the prompts are shared
+    cols = to_response_columns(batch, groups)
+    out = grouped_logits(model, groups, "cpu", head=lambda target, rows: head_log_probs(
+        model, target, 0.7, chunk_tokens=5, entropy_grad=True, rows=rows))
+    assert out.shape == cols.input_ids.shape + (2,)
+    assert "forward" not in model.lm_head.__dict__
+    m = cols.response_mask.double()
+    lp, ent = out[..., 0].double() * m, out[..., 1].double() * m
+    # column j of the response layout is position prompt_len + j of the plain layout, predicted by the one before
+    torch.testing.assert_close(lp, ref_lp.detach().gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.detach().gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
+    loss = (lp * cols.advantages).sum() + 0.1 * ent.sum()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
+                               ref_grads):
+        err = float((a.double() - b).abs().max())
+        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+
+
 def _step(rank, world, batch, fused: bool):
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
@@ -51,6 +91,8 @@ def _step(rank, world, batch, fused: bool):
                            f"engine.fused_lm_head={str(fused).lower()}", "engine.logprob_chunk_tokens=7"]).config
     eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
+    eng.share_prompts = fused  # the reference is the plain forward; the fused step groups the prompts
+    assert eng._share_prompts() == fused
     weights = {k: v.clone() for k, v in eng.export_hf_state_dict().items()}  # before the step
     passed = eng.compute_log_probs(batch, with_entropy=True)  # the no-grad pass (old/reference log-probs)
     lp_only, none = eng.compute_log_probs(batch)  # as the old/reference passes ask: no entropy computed
@@ -62,8 +104,9 @@ def _step(rank, world, batch, fused: bool):
 
 def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
     """Two ranks, every decoder layer its own FSDP2 unit and the output layer in the root unit,
-    with an entropy bonus (its gradient goes through the fused backward too): the same weights
-    after one step as one rank's plain step (tolerance as tests/test_fsdp_engine.py: 2e-5)."""
+    the prompts grouped, with an entropy bonus (its gradient goes through the fused backward too):
+    the same weights after one step as one rank's plain step of the plain forward (tolerance as
+    tests/test_fsdp_engine.py: 2e-5)."""
     batch = _rollout(n=4)
     (plain, m_plain, r_plain, start, _), = run_ranks(_step, 1, batch, False)
     two = run_ranks(_step, 2, batch, True)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.algorithms.logprobs import linear_log_probs
+from engine.backends.prompt_sharing import rows_of
 
 CAUSAL_LM_CLASSES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
 
@@ -46,15 +47,19 @@ def unfusable_reason(model) -> str:
 
 @contextmanager
 def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens: int, entropy_grad: bool,
-                   with_entropy: bool = True):
+                   with_entropy: bool = True, rows: torch.Tensor | None = None):
     """Within the block, ``model(...).logits`` is [B, T, 2]: log p(target[:, t]) and the entropy
     at each position (``target`` [B, T] on the model's device; without ``with_entropy``, zeros
-    where the entropy would be, not computed). One forward per block."""
+    where the entropy would be, not computed). One forward per block. ``rows`` [B]: the output
+    layer's input row each target row reads (a prompt-grouped forward's prompts to their samples,
+    engine/backends/prompt_sharing.py), so the forward's batch may be smaller than ``target``'s."""
     head = _causal_lm(model).get_output_embeddings()
     had_own = "forward" in head.__dict__
     own = head.__dict__.get("forward")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if rows is not None:
+            hidden = rows_of(hidden, rows)
         lp, ent = linear_log_probs(hidden, head.weight, target, temperature, with_entropy=with_entropy,
                                    entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
         return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)

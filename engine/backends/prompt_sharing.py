@@ -32,23 +32,33 @@ def _expand_cache(cache, owner: torch.Tensor) -> None:
         lc.values = rows_of(lc.values, owner)
 
 
-def grouped_logits(model, groups: PromptGroups, device) -> torch.Tensor:
+def grouped_logits(model, groups: PromptGroups, device, head=None) -> torch.Tensor:
     """[b, R, V] logits; position j predicts response token j (the first from the prompt's last
     position). Same values as the plain forward's logits at columns prompt_len + j - 1. The
-    responses' last column is not fed: it predicts nothing (``PromptGroups.fed``)."""
+    responses' last column is not fed: it predicts nothing (``PromptGroups.fed``).
+
+    ``head(target, rows)``: a context in which the output layer computes the log-prob and entropy
+    of ``target`` itself (engine/backends/fused_head.py's ``head_log_probs`` with its settings
+    bound); the result is then [b, R, 2] (log p(response token j), entropy) and no logits are made.
+    The prompt pass hands its last position to each of the prompt's rows inside the output layer."""
+    from contextlib import nullcontext
+
     dev = torch.device(device)
     pmask = groups.prompt_mask.to(dev)
-    out = model(input_ids=groups.prompt_ids.to(dev), attention_mask=pmask,
-                position_ids=groups.prompt_positions.to(dev), use_cache=True, logits_to_keep=1)
     owner = groups.owner.to(dev)
-    first = rows_of(out.logits[:, -1:], owner)
     fed = groups.fed
+    targets = groups.response_ids.to(dev) if head is not None else None
+    with head(targets[:, :1], owner) if head is not None else nullcontext():
+        out = model(input_ids=groups.prompt_ids.to(dev), attention_mask=pmask,
+                    position_ids=groups.prompt_positions.to(dev), use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:] if head is not None else rows_of(out.logits[:, -1:], owner)
     if fed == 0:  # one-token responses: the prompt's last position predicts all there is
         return first
     cache = returned_cache(out)
     _expand_cache(cache, owner)
     attn = torch.cat([pmask.index_select(0, owner), groups.response_mask[:, :fed].to(dev)], dim=1)
-    out2 = model(input_ids=groups.response_ids[:, :fed].to(dev), attention_mask=attn,
-                 position_ids=groups.response_positions[:, :fed].to(dev), use_cache=True,
-                 **{cache_kwarg(model): cache})
+    with head(targets[:, 1:fed + 1], None) if head is not None else nullcontext():
+        out2 = model(input_ids=groups.response_ids[:, :fed].to(dev), attention_mask=attn,
+                     position_ids=groups.response_positions[:, :fed].to(dev), use_cache=True,
+                     **{cache_kwarg(model): cache})
     return torch.cat([first, out2.logits], dim=1)

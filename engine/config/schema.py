@@ -352,8 +352,8 @@ class EngineConfig:
     fused_lm_head: bool = _f(False, "fsdp: the output layer computes the log-probs and entropy itself, in the "
                                     "update and the no-grad (old, reference) passes, engine.logprob_chunk_tokens "
                                     "positions at a time, so the [tokens, vocab] logits and their gradient never "
-                                    "exist (Llama/Qwen/Mistral causal LMs; the prompt-shared forward is off with "
-                                    "it; engine/backends/fused_head.py)",
+                                    "exist, in the prompt-shared forward too (Llama/Qwen/Mistral causal LMs; "
+                                    "engine/backends/fused_head.py)",
                              only_for={"engine": ("fsdp",)})
     fp8: bool = _f(False, "Transformer-Engine FP8 (needs TE and an FP8-capable GPU)",
                    only_for={"engine": ("megatron",)})

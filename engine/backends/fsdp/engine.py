@@ -139,12 +139,12 @@ class FSDPEngine(TrainEngine):
     def _share_prompts(self) -> bool:
         """The grouped forward runs the model twice per micro-batch, the second with a KV cache:
         not with compiled blocks (the cache object would go through dynamo), activation offload
-        (its hooks expect one forward), gradient checkpointing (transformers drops the
-        prompt's KV cache in training then) or the fused output layer (the prompt's last position
-        predicts a different first token in each of its samples)."""
+        (its hooks expect one forward) or gradient checkpointing (transformers drops the
+        prompt's KV cache in training then). With the fused output layer the prompt pass hands its
+        last position to each sample inside the output layer (prompt_sharing.grouped_logits)."""
         e = self.cfg.engine
         return (self.share_prompts and not e.compile and self.activation_offload is None
-                and not e.gradient_checkpointing and not e.fused_lm_head)  # HF turns the KV cache off under GC
+                and not e.gradient_checkpointing)  # HF turns the KV cache off under GC
 
     def _replays(self) -> bool:
         return self.router_replay is not None and self.cfg.algorithm.router_replay == "replay"
@@ -282,7 +282,7 @@ class FSDPEngine(TrainEngine):
         """The training forward of one micro-batch through ``loss_fn``: (loss, metrics)."""
         key = self._saved_key(mb.batch, groups)
         if self.cfg.engine.fused_lm_head:
-            return self._fused_head_loss(mb, loss_fn, n_tokens, n_seqs, key)
+            return self._fused_head_loss(mb, groups, loss_fn, n_tokens, n_seqs, key)
         with self._measure("activations", key) as meter:
             if self.activation_offload is not None:  # what stays on the device is counted there
                 self.activation_offload.meter = meter
@@ -301,17 +301,28 @@ class FSDPEngine(TrainEngine):
                             entropy_grad=loss_fn.needs_entropy, chunk_tokens=self.cfg.engine.logprob_chunk_tokens)
         return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
 
-    def _fused_head_loss(self, mb, loss_fn, n_tokens: float, n_seqs: float, key):
+    def _fused_head_loss(self, mb, groups, loss_fn, n_tokens: float, n_seqs: float, key):
         """engine.fused_lm_head: the forward's output layer yields each position's log-prob of
-        the next token and entropy (engine/backends/fused_head.py); no logits are made. What the
-        output layer keeps for backward (its input, the hidden states) counts as activations."""
+        the next token and entropy (engine/backends/fused_head.py); no logits are made, in the
+        plain layout or the prompt-grouped one (``groups``). What the output layer keeps for
+        backward (its input, the hidden states) counts as activations."""
+        from engine.backends.fused_head import head_log_probs
+
         with self._measure("activations", key) as meter:
             if self.activation_offload is not None:
                 self.activation_offload.meter = meter
-            lp, ent = self._fused_head_log_probs(self.model, mb.batch, loss_fn.needs_entropy)
+            if groups is None:
+                lp, ent = self._fused_head_log_probs(self.model, mb.batch, loss_fn.needs_entropy)
+            else:
+                e = self.cfg.engine
+                out = grouped_logits(self.model, groups, self.device, head=lambda target, rows: head_log_probs(
+                    self.model, target, self.cfg.rollout.temperature, e.logprob_chunk_tokens, loss_fn.needs_entropy,
+                    rows=rows))
+                lp, ent = out[..., 0], out[..., 1]
         if self.activation_offload is not None:
             self.activation_offload.meter = None
-        return loss_fn(lp, ent, mb.batch.to(self.device), n_tokens, n_seqs)
+        lp_batch = to_response_columns(mb.batch, groups) if groups is not None else mb.batch
+        return loss_fn(lp, ent, lp_batch.to(self.device), n_tokens, n_seqs)
 
     def _fused_head_log_probs(self, model, batch: SequenceBatch, entropy_grad: bool, with_entropy: bool = True):
         """(log-prob, entropy) [B, T] of ``batch`` from ``model``'s output layer, laid out as
