@@ -257,6 +257,43 @@ def test_on_cuda_torch_cache_is_emptied_before_every_wake(monkeypatch):
     assert calls == []
 
 
+def _engine_kwargs(monkeypatch, device: torch.device, overrides=()) -> dict:
+    """The keyword arguments VLLMSampler._start gives vllm.LLM for ``device`` (a recorder stands
+    in for vLLM: the GPU arguments cannot start an engine on a CPU machine)."""
+    import sys
+    import types
+
+    from engine.rollout.vllm_sampler import VLLMSampler
+
+    seen = {}
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.update(kw)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    s = object.__new__(VLLMSampler)
+    s.cfg = _cfg(["rollout=vllm", *VLLM_TINY, *overrides])
+    s.rcfg, s.device, s.on_cuda = s.cfg.rollout, device, device.type == "cuda"
+    s.dtype, s.max_model_len = torch.float32, 64
+    s.export = types.SimpleNamespace(path="/nonexistent")
+    s.ipc = types.SimpleNamespace(open=lambda: None)
+    from engine.model.build import tiny_hf_config
+
+    s._start(tiny_hf_config(s.cfg.model, VOCAB, PAD, EOS), 8)
+    return seen
+
+
+def test_engine_runs_on_the_ranks_gpu(monkeypatch):
+    """vLLM's one-GPU engine runs on visible device 0 whatever the config's device index
+    (v1/executor/uniproc_executor.py takes local_rank from it, gpu_worker.init_device uses
+    cuda:{local_rank}); a rank on cuda:N (N > 0: Ray told not to set CUDA_VISIBLE_DEVICES, or a
+    device picked by local rank) names its GPU through vLLM's device_ids, else every rank's engine
+    lands on GPU 0. Device 0 and the CPU get no device_ids (as before)."""
+    kw = _engine_kwargs(monkeypatch, torch.device("cuda", 3))
+    assert kw["device_ids"] == [3] and kw["enable_sleep_mode"] is True
+    for dev in (torch.device("cuda", 0), torch.device("cuda")):
+        kw = _engine_kwargs(monkeypatch, dev)
+        assert "device_ids" not in kw and kw["enable_sleep_mode"] is True
+    assert "device_ids" not in _engine_kwargs(monkeypatch, torch.device("cpu"), ["trainer.device=cpu"])
+
+
 def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     """On one engine start (tied embeddings): (0) 2048 samples of one prompt follow the sampling
     distribution token by token (tests/test_sampling_parity.py's check); (1) generation returns the torch rollout's

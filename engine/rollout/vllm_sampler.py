@@ -206,6 +206,7 @@ class VLLMSampler(Sampler):
             kw["max_num_seqs"] = self.rcfg.micro_batch_size
         if self.on_cuda:
             kw.update(gpu_memory_utilization=self.rcfg.gpu_memory_utilization, enable_sleep_mode=True)
+            kw.update(engine_device_kwargs(self.device))
         else:
             kw.update(enforce_eager=True, kv_cache_memory_bytes=cpu_kv_cache_bytes(
                 hf_config, self.dtype, self.max_model_len, rows))
@@ -377,6 +378,19 @@ class VLLMSampler(Sampler):
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def engine_device_kwargs(device: torch.device) -> dict:
+    """The engine argument that puts vLLM on this process's GPU. vLLM's single-GPU engine takes
+    only the device type ("cuda") from its config and runs on visible device 0
+    (v1/executor/uniproc_executor.py ``_distributed_args``: local_rank from the device's index,
+    none here; v1/worker/gpu_worker.py ``init_device``: ``cuda:{local_rank}``). A rank on
+    ``cuda:N``, N > 0 (Ray told not to set CUDA_VISIBLE_DEVICES, or a device picked by local
+    rank) would put every rank's engine on GPU 0; ``device_ids`` (vLLM's --device-ids: indices
+    into the visible devices, as torch counts them) names its own. Device 0: nothing to add."""
+    if device.type == "cuda" and device.index:
+        return {"device_ids": [int(device.index)]}
+    return {}
+
+
 def set_vllm_env(device: torch.device) -> None:
     """Environment for a colocated engine (each only where the user has not set it)."""
     if device.type != "cuda":
