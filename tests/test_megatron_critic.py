@@ -228,3 +228,46 @@ def test_tp2_checkpoint_resumes_at_tp1_dp2(session):
     assert r["dp"][1] == 2
     assert r["load_exact"]
     assert r["resume_step_err"] < TOL
+
+
+def _sp_head_grads(rank: int, world: int):
+    """ValueHead under sequence parallelism on ``world`` gloo ranks (the world as the TP group):
+    each rank holds its slice of the sequence, the head and the loss are the same on every rank."""
+    import torch.distributed as dist
+
+    from engine.backends.megatron import cpu_shim
+    from engine.backends.megatron.critic import ValueHead
+
+    cpu_shim.apply()  # megatron's gather allocates on torch.cuda.current_device()
+    s, b, h = 4 * world, 2, 8
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(s, b, h, generator=g)
+    w = torch.randn(s, b, 1, generator=g)
+    head = ValueHead(h, sequence_parallel=True, tp_group=dist.group.WORLD)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, h, generator=g))
+    mine = full[rank * 4:(rank + 1) * 4].clone().requires_grad_(True)
+    values, _ = head(mine)
+    (values * w).sum().backward()
+    return mine.grad, head.weight.grad, full, w, head.weight.detach().clone()
+
+
+def test_sequence_parallel_value_head_gives_each_rank_its_slice_of_the_gradient():
+    """Under sequence parallelism (megatron with Transformer-Engine, TP > 1: GPUs only) the value
+    head gathers the sequence and then computes the same values on every TP rank. The backbone's
+    gradient must be each rank's slice of d loss / d hidden; megatron's gather by default
+    reduce-scatters it (right after a tensor-parallel layer, whose ranks hold partial gradients),
+    which here summed TP equal copies: tp_size times the gradient into the whole backbone."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_utils import run_ranks
+
+    out = run_ranks(_sp_head_grads, 2)
+    _, _, full, w, weight = out[0]
+    x = full.clone().requires_grad_(True)
+    ref_head = torch.nn.Linear(full.shape[-1], 1)
+    with torch.no_grad():
+        ref_head.weight.copy_(weight)
+    (ref_head(x).float() * w).sum().backward()
+    for rank, (grad, head_grad, *_rest) in enumerate(out):
+        torch.testing.assert_close(grad, x.grad[rank * 4:(rank + 1) * 4])
+        torch.testing.assert_close(head_grad, ref_head.weight.grad)

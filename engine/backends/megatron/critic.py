@@ -49,7 +49,12 @@ class ValueHead(torch.nn.Linear):
         if self.sequence_parallel:  # each TP rank holds a slice of the sequence: gather it
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+            # what follows is computed whole on every TP rank (replicated head, same loss), so each
+            # rank's gradient of the gathered states is already the full one: backward takes this
+            # rank's slice of it. The default (True, for a tensor-parallel layer after the gather,
+            # whose ranks hold partial gradients) reduce-scatters, a sum of tp_size equal copies
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
         return super().forward(hidden.float()), None
 
 
