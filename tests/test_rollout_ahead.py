@@ -178,6 +178,20 @@ def test_a_rollout_worker_without_a_gpu_of_its_own_is_pinned_to_the_first_ranks_
     assert strategy.node_id == "a" * 56 and strategy.soft is False
 
 
+def test_the_rollout_worker_computes_on_the_gpu_ray_assigned_it():
+    """With a GPU of its own the worker was started on a bare ``cuda``: the current device, cuda:0,
+    which is rank 0's GPU where the cluster keeps every GPU visible (Ray then leaves
+    CUDA_VISIBLE_DEVICES alone); its own GPU stayed idle. It now takes the assigned one, as the
+    ranks do (engine.device.assigned_cuda_index)."""
+    from engine.trainer.rollout_worker import worker_device
+
+    assert worker_device("cuda", [6], "0,1,2,3,4,5,6,7") == torch.device("cuda", 6)   # every GPU visible
+    assert worker_device("cuda", [6], None) == torch.device("cuda", 6)
+    assert worker_device("cuda", ["6"], "6") == torch.device("cuda", 0)               # Ray's default
+    assert worker_device("cuda", [], "3") == torch.device("cuda", 0)   # sharing rank 0's GPU (no GPU of its own)
+    assert worker_device("cpu", [], None) == torch.device("cpu")
+
+
 def test_router_replay_ahead_is_refused():
     r = rl("train", "trainer.mode=one_step_off", "algorithm.router_replay=record", "checkpoint.dir=/nonexistent/x")
     assert r.returncode == 2, r.stdout + r.stderr

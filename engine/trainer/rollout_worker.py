@@ -34,6 +34,21 @@ def rollout_seed(seed: int) -> int:
     return seed * 7919 + ROLLOUT_SEED_OFFSET
 
 
+def worker_device(device: str, gpu_ids: list, visible_env: str | None) -> torch.device:
+    """The device the worker computes on: for ``"cuda"`` the GPU Ray assigned it (``gpu_ids``:
+    ``ray.get_gpu_ids()``), indexed as this process sees its devices (engine.device.assigned_cuda_index),
+    as a rank's is. A bare ``cuda`` is the current device, cuda:0, which is another GPU (rank 0's)
+    where the cluster keeps every GPU visible (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). Sharing
+    rank 0's GPU the worker is assigned none and sees only that one: cuda:0."""
+    import torch
+
+    if device != "cuda":
+        return torch.device(device)
+    from engine.device import assigned_cuda_index
+
+    return torch.device("cuda", assigned_cuda_index([str(g) for g in gpu_ids], visible_env, 0))
+
+
 class RolloutWorker:
     def __init__(self, run: ResolvedRun, threads: int):
         self.run, self.cfg = run, run.config
@@ -50,7 +65,13 @@ class RolloutWorker:
 
         from engine.trainer.rollout_worker import rollout_seed
 
-        self.device = torch.device(device)
+        if device == "cuda":
+            import ray
+
+            self.device = worker_device(device, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device(device)
         self.vocab, self.model_path = vocab, model_path
         self.generator = torch.Generator().manual_seed(rollout_seed(self.cfg.trainer.seed))
         if self.cfg.rollout.name == "vllm":
