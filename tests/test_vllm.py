@@ -40,8 +40,9 @@ def _cfg(overrides):
 
 def test_check_vllm_config_refusals():
     """Config-time refusals instead of wrong results: a head size the CPU attention backend
-    lacks (the tiny default's 16) names the fix; the KL reward with top-p < 1 (vLLM's log-probs
-    are then renormalised over the nucleus) is refused; rollout=torch is never checked."""
+    lacks (the tiny default's 16) names the fix; with top-p < 1 (vLLM's log-probs are then
+    renormalised over the nucleus, low by its mass against the trainer's) every use of them in a
+    ratio or a KL is refused; rollout=torch is never checked."""
     from engine.errors import ConfigError
     from engine.rollout.vllm_sampler import check_vllm_config
 
@@ -56,6 +57,19 @@ def test_check_vllm_config_refusals():
         check_vllm_config(kl_reward, 32, require_installed=False)
     assert "rollout.top_p=1.0" in e.value.message
     check_vllm_config(_cfg(["rollout=torch", "trainer.device=cpu"]), 16)
+
+    # top-p < 1 where a ratio divides by the sampler's log-probs: a mode that samples ahead (PPO's
+    # behaviour ratio, or with off_policy_ratio=proximal the rollout weight), or the weight asked
+    # for in the sync trainer; the sync trainer's own ratio (against its recomputed log-probs) is fine
+    nucleus = ["rollout=vllm", "trainer.device=cpu", *VLLM_TINY, "rollout.top_p=0.9"]
+    for extra, names in ((["trainer.mode=one_step_off"], "off_policy_ratio=behavior"),
+                         (["trainer.mode=one_step_off", "algorithm.off_policy_ratio=proximal"], "rollout_is=token"),
+                         (["algorithm.rollout_is=sequence"], "rollout_is=sequence")):
+        with pytest.raises(ConfigError) as e:
+            check_vllm_config(_cfg([*nucleus, *extra]), 32, require_installed=False)
+        assert names in e.value.message and "rollout.top_p=1.0" in e.value.message, (extra, e.value.message)
+    check_vllm_config(_cfg(nucleus), 32, require_installed=False)
+    check_vllm_config(_cfg([*nucleus[:-1], "trainer.mode=one_step_off"]), 32, require_installed=False)
 
 
 def test_right_padded_layout_equals_torch_sampler():

@@ -15,8 +15,9 @@ no tokenizer files needed). Log-probs: vLLM is started with ``logprobs_mode=
 ``log_softmax(logits / temperature)`` (the trainer's convention); vLLM's default
 (``raw_logprobs``) would ignore the temperature. vLLM applies top-p *before* it takes that
 log-softmax, so with ``rollout.top_p < 1`` the values are renormalised over the nucleus
-(the distribution actually sampled), not the trainer's pre-top-p convention; the one consumer
-of rollout log-probs (the KL reward penalty) is refused with top-p < 1 at config time.
+(the distribution actually sampled), not the trainer's pre-top-p convention; the consumers of
+rollout log-probs (the KL reward penalty; under a mode that samples ahead, PPO's behaviour ratio
+and the rollout importance weight) are refused with top-p < 1 at config time.
 
 Limits checked at config time by ``check_vllm_config`` (never silently wrong results): the
 CPU attention backend's head sizes; vLLM not installed. Tied input/output embeddings are
@@ -100,6 +101,19 @@ def check_vllm_config(run_cfg: RunConfig, head_dim: int, require_installed: bool
             f"top-p nucleus, but the KL reward penalty (algorithm.use_kl_loss=false) needs the full "
             f"distribution's. Set rollout.top_p=1.0, or algorithm.use_kl_loss=true, or rollout=torch.",
             title="invalid config")
+    if c.rollout.top_p < 1.0:
+        from engine.config.resolved import behavior_ratio, rollout_is_level
+
+        use = ("PPO's ratio against the sampler's log-probs (algorithm.off_policy_ratio=behavior)" if behavior_ratio(c)
+               else f"the rollout importance weight (algorithm.rollout_is={rollout_is_level(c)})"
+               if rollout_is_level(c) != "off" else "")
+        if use:  # log p_nucleus = log p - log Z: every ratio against them would be low by the nucleus's mass
+            raise ConfigError(
+                f"rollout=vllm with rollout.top_p={c.rollout.top_p} returns log-probs renormalised over the "
+                f"top-p nucleus, but {use} under trainer.mode={c.trainer.mode} divides the trainer's full-"
+                f"distribution probability by them, so every ratio would be low by the nucleus's mass. Set "
+                f"rollout.top_p=1.0, or rollout=torch (its log-probs are the full distribution's), or "
+                f"trainer.mode=sync.", title="invalid config")
     if require_installed:
         reason = vllm_unavailable_reason()
         if reason:
