@@ -111,3 +111,18 @@ def test_a_real_save_writes_where_stepdir_points(tmp_path):
     assert {rng_relpath(0), s.relative(s.trainer_json)} <= listed
     assert all((s.path / rel).is_file() for rel in listed)
     assert {s.relative(p) for p in s.path.rglob("*") if p.is_file()} - {"manifest.json"} == listed
+
+
+def test_a_rank_restores_its_own_gpus_generator_whatever_the_save_kept():
+    """A rank saves its own GPU's CUDA generator state (a one-element list) and restores it to its
+    current device, whatever index that device has; from a checkpoint that kept every visible
+    GPU's state, the entry at the rank's index, and none where the save saw fewer GPUs (before,
+    ``set_rng_state_all`` raised there: a run saved with every GPU visible, resumed under Ray's one
+    GPU per rank)."""
+    from engine.checkpoint.save import own_cuda_rng_state
+
+    own, a, b, c = (object() for _ in range(4))
+    assert own_cuda_rng_state([own], 0) is own
+    assert own_cuda_rng_state([own], 5) is own  # saved by a rank on cuda:5: its own, one entry
+    assert own_cuda_rng_state([a, b, c], 1) is b  # an older checkpoint: the rank's index
+    assert own_cuda_rng_state([a, b], 3) is None

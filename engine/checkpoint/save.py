@@ -37,9 +37,21 @@ def rng_state(generator: torch.Generator | None) -> dict:
     import numpy as np
 
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else None,  # the rank's own GPU
             "python": random.getstate(), "numpy": np.random.get_state(),
             "sampler": generator.get_state() if generator is not None else None}
+
+
+def own_cuda_rng_state(states: list, current: int):
+    """The saved CUDA generator state of the rank's own GPU (``current``, its index as the rank
+    sees it): a rank saves only its own (a one-element list), whichever index it has. Checkpoints
+    from before kept every visible GPU's (``get_rng_state_all``), which restored with
+    ``set_rng_state_all`` fails where the resume sees fewer GPUs than the save did (a cluster that
+    kept every GPU visible, resumed under Ray's one GPU per rank) and leaves the rank's own
+    generator unrestored where it sees more: from those, the entry at the rank's index."""
+    if len(states) == 1:
+        return states[0]
+    return states[current] if current < len(states) else None
 
 
 def set_rng_state(state: dict, generator: torch.Generator | None) -> None:
@@ -47,7 +59,9 @@ def set_rng_state(state: dict, generator: torch.Generator | None) -> None:
 
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        own = own_cuda_rng_state(state["cuda"], torch.cuda.current_device())
+        if own is not None:
+            torch.cuda.set_rng_state(own)  # the current device: the rank's
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if generator is not None and state.get("sampler") is not None:
