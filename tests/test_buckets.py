@@ -69,6 +69,11 @@ def long_tailed(rng: random.Random, n: int, median: float, cap: int) -> list[int
           tensor_model_parallel_size=4, sequence_parallel=True), 24),     # lcm(12, 8)
     (dict(pad_to_length=False, fp8=True), 16),
     (dict(pad_to_length=True, pad_to_length_bucket=24, fp8=True, context_parallel_size=2), 96),
+    # FP8 + SP: TE checks each rank's pre-all-gather slice, (T / tp) * rows % 8 == 0, for any rows
+    (dict(pad_to_length=False, fp8=True, tensor_model_parallel_size=2, sequence_parallel=True), 16),
+    (dict(pad_to_length=False, fp8=True, tensor_model_parallel_size=4, sequence_parallel=True), 32),
+    (dict(pad_to_length=False, fp8=True, tensor_model_parallel_size=8, sequence_parallel=True), 64),
+    (dict(pad_to_length=False, fp8=True, tensor_model_parallel_size=8, sequence_parallel=False), 16),
 ])
 def test_required_alignment_is_the_lcm_of_every_constraint(kwargs, expected):
     """One function computes the alignment: bucket, SP-sharded TP, load-balanced CP, FP8."""
@@ -87,6 +92,12 @@ def test_alignment_satisfies_megatron_sequence_splits():
             assert a % (2 * cp) == 0
         local = a // cp
         assert local % tp == 0 and (not fp8 or local % 16 == 0)
+        # Transformer-Engine's FP8 linears assert math.prod(inp.shape[:-1]) % 8 == 0 on the input
+        # *before* a sequence-parallel all-gather ([L / tp, rows, h]; transformer_engine/pytorch/
+        # utils.py assert_dim_for_fp8_exec, called by layernorm_linear.py / linear.py, v2.x)
+        if fp8:
+            for rows in (1, 3):
+                assert ((local // tp if tp > 1 else local) * rows) % 8 == 0
 
 
 @pytest.mark.parametrize("policy", ["multiple", "geometric", "learned", "none"])

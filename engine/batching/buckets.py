@@ -52,17 +52,22 @@ def alignment_factors(engine_cfg) -> dict[str, int]:
     ``model_parallel``: Megatron splits the sequence dim over context-parallel ranks, each rank
     holding two of 2*cp chunks (load-balanced causal CP), so T must split into 2*cp chunks; with
     sequence parallelism the cp-rank's local slice L = T/cp is further split over the TP ranks.
-    So L must be a multiple of lcm(tp if sequence_parallel, 2 if cp > 1, 16 if fp8) and
-    T = cp * L. FP8 (Transformer Engine) GEMMs need their token dimension, which under SP is the
-    all-gathered local slice L, to be a multiple of 16. verl uses tp*cp*2 (and lcm with 16 for
-    FP8); that is always a multiple of what is needed here.
+    So L must be a multiple of lcm(tp if sequence_parallel, 2 if cp > 1, 16 if fp8,
+    8 * tp if fp8 and sequence_parallel) and T = cp * L. FP8 (Transformer Engine) GEMMs need
+    their token dimension to be a multiple of 16 (the all-gathered L: the weight gradient's
+    inner dimension); and under SP, Transformer-Engine's column-parallel linears check the
+    input *before* their all-gather (``assert_dim_for_fp8_exec`` in
+    transformer_engine/pytorch/module/layernorm_linear.py and linear.py, v2.x: the product of
+    the leading dims, (L / tp) * rows, a multiple of 8), so with a micro-batch of any row count
+    L / tp must be a multiple of 8. verl uses tp*cp*2 (and lcm with 16 for FP8).
 
     ``bucket``: ``engine.pad_to_length_bucket``, only when ``engine.pad_to_length`` is on.
     """
     tp = int(getattr(engine_cfg, "tensor_model_parallel_size", 1) or 1)
     cp = int(getattr(engine_cfg, "context_parallel_size", 1) or 1)
     sp = bool(getattr(engine_cfg, "sequence_parallel", False)) and tp > 1
-    local = math.lcm(tp if sp else 1, 2 if cp > 1 else 1, 16 if getattr(engine_cfg, "fp8", False) else 1)
+    fp8 = bool(getattr(engine_cfg, "fp8", False))
+    local = math.lcm(tp if sp else 1, 2 if cp > 1 else 1, 16 if fp8 else 1, 8 * tp if fp8 and sp else 1)
     factors = {"model_parallel": cp * local}
     factors["bucket"] = int(engine_cfg.pad_to_length_bucket) if engine_cfg.pad_to_length else 1
     return factors
