@@ -120,6 +120,50 @@ def test_export_dir_writes_full_weights_and_refuses_partial(tmp_path):
     assert not d.path.exists()
 
 
+def test_the_weights_go_where_two_copies_fit_and_a_full_disk_says_what_to_do(tmp_path, monkeypatch):
+    """The export goes to /dev/shm only when two copies of the weights fit there (a sync writes
+    the new file beside the old); a container's 64 MiB /dev/shm sends it to TMPDIR instead of
+    failing at the first write. A disk that fills anyway is named with the fix, and the half
+    file is removed."""
+    import errno
+    import shutil
+
+    import engine.rollout.vllm_weight_sync as ws
+    from engine.model.build import tiny_hf_config
+
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir(), tmp.mkdir()
+    monkeypatch.setattr(ws, "shm_dir", lambda: str(shm))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    free = {"bytes": 64 << 20}
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(ws.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free["bytes"])
+                        if str(p) == str(shm) else real_usage(p))
+    assert ws.export_base(10 << 20) == str(shm)  # a small model: both copies fit
+    assert ws.export_base(270 << 20) is None      # a 135M-parameter bf16 model: 2 x 270 MiB do not
+    free["bytes"] = 1 << 40
+    assert ws.export_base(270 << 20) == str(shm)
+
+    cfg = _cfg(VLLM_TINY)
+    free["bytes"] = 64 << 20
+    d = ws.HFExportDir(tiny_hf_config(cfg.model, VOCAB, PAD, EOS), False, torch.float32, weights_bytes=270 << 20)
+    try:
+        assert d.path.parent == tmp
+
+        def full(*a, **k):
+            Path(a[1]).write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("safetensors.torch.save_file", full)
+        with pytest.raises(OSError) as e:
+            d.write_weights({"model.norm.weight": torch.ones(128)})
+        assert e.value.errno == errno.ENOSPC and str(tmp) in str(e.value) and "TMPDIR" in str(e.value)
+        assert "--shm-size" in str(e.value) and not list(d.path.glob("*.tmp"))
+    finally:
+        d.remove()
+
+
 def _vllm_rank(rank, world):
     """One rank: FSDP engine + vLLM sampler on a tied-embedding model (head_dim 32), with a temp
     directory of its own (what the engine leaves there is checked)."""

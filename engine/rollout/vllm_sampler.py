@@ -178,7 +178,8 @@ class VLLMSampler(Sampler):
 
         self.max_model_len = min(sampler_context(cfg) + 1,
                                  int(getattr(hf_config, "max_position_embeddings", 1 << 30)))
-        self.export = HFExportDir(hf_config, self.tied, self.dtype, rank)
+        self.export = HFExportDir(hf_config, self.tied, self.dtype, rank, weights_bytes=sum(
+            t.numel() * self.dtype.itemsize for k, t in state_dict.items() if not (self.tied and k == "lm_head.weight")))
         self.last_kv_cache_bytes = 0
         self.last_sync: dict = {}
         self.asleep = False

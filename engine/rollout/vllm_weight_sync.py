@@ -22,7 +22,9 @@ This module is imported inside vLLM's worker process; it must not import vLLM at
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -38,13 +40,29 @@ def shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+def export_base(weights_bytes: int) -> str | None:
+    """Where the export directory goes: /dev/shm when it has room for two copies of the weights
+    (a sync writes the new file beside the old one, then renames it), else None: the temp
+    directory (TMPDIR). A container's /dev/shm is 64 MiB unless it was started with --shm-size or
+    --ipc=host, too small for any real model's weights."""
+    shm = shm_dir()
+    if shm is None:
+        return None
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return None
+    return shm if free >= 2 * weights_bytes + (16 << 20) else None
+
+
 class HFExportDir:
     """A temporary HF model directory that vLLM starts from and reloads weights from."""
 
-    def __init__(self, hf_config, tie_word_embeddings: bool, dtype: torch.dtype, rank: int = 0):
+    def __init__(self, hf_config, tie_word_embeddings: bool, dtype: torch.dtype, rank: int = 0,
+                 weights_bytes: int = 0):
         # locked for this process's life: a killed rank's copy of the weights (RAM, in /dev/shm)
         # is removed by the next export directory made on the host
-        self._dir = OwnedDir(f"rl-vllm-rank{rank}-", shm_dir(), family="rl-vllm-rank")
+        self._dir = OwnedDir(f"rl-vllm-rank{rank}-", export_base(weights_bytes), family="rl-vllm-rank")
         self.path = self._dir.path
         self.tied = bool(tie_word_embeddings)
         self.dtype = dtype
@@ -82,9 +100,20 @@ class HFExportDir:
                 "every rank (a full_state_dict gathered to rank 0 only is not enough)")
         self.keys = keys
         tmp = self.path / (WEIGHTS_FILE + ".tmp")
-        save_file(out, str(tmp))
+        size = sum(t.numel() * t.element_size() for t in out.values())
+        try:
+            save_file(out, str(tmp))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, (
+                f"no space left in {self.path.parent} for the vLLM rollout's copy of the weights ({size / 2**20:,.0f} "
+                f"MiB, written beside the previous copy at every sync). Free space there, or point TMPDIR at a "
+                f"directory with room for twice that per rank on this host (in a container, /dev/shm is 64 MiB "
+                f"unless it was started with --shm-size or --ipc=host)")) from e
         os.replace(tmp, self.weights_path)
-        return sum(t.numel() * t.element_size() for t in out.values())
+        return size
 
     def remove(self) -> None:
         self._dir.remove()
