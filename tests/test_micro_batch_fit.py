@@ -15,7 +15,7 @@ from engine.config.load import load_run_config
 from engine.errors import UserError
 from engine.memory.estimate import estimate_memory, model_structure
 from engine.env_info import host_available_bytes
-from engine.memory.micro_batch_fit import _estimate_at, fit_token_budget
+from engine.memory.micro_batch_fit import _estimate_at, fit_token_budget, shared_worker_bytes
 from tests.cli_utils import flat, rl
 
 GiB = 1 << 30
@@ -74,6 +74,27 @@ def test_a_device_too_small_for_one_sequence_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
+def test_a_rollout_worker_sharing_the_first_ranks_gpu_is_taken_out_before_the_fit():
+    """A mode that samples ahead with no GPU free for the rollout worker puts it on the first
+    rank's GPU, where it holds its own copy of the policy, its KV cache (vLLM: its pool, a share of
+    the whole device) and logits while that rank updates. It starts after the ranks fitted their
+    budget, so the fit takes it out of the free memory: at least the worker's weights (torch) or
+    gpu_memory_utilization x the device (vLLM's pool holds the weights), and in sync none."""
+    total = 80 * GiB
+    sync = _cfg(*SMOLLM2)
+    st = model_structure(sync)
+    assert shared_worker_bytes(sync, st, total) == 0
+    ahead = _cfg(*SMOLLM2, "trainer.mode=one_step_off")
+    weights = st.total * 2  # bf16
+    torch_worker = shared_worker_bytes(ahead, st, total)
+    assert torch_worker > weights
+    vllm = _cfg(*SMOLLM2, "trainer.mode=one_step_off", "rollout=vllm", "rollout.gpu_memory_utilization=0.3")
+    assert shared_worker_bytes(vllm, st, total) >= 0.3 * total
+    # 40 GiB free less the worker (vLLM's 24 GiB pool and its logits) fits fewer sequences
+    alone, shared = (fit_token_budget(vllm, st, free) for free in (40 * GiB, 40 * GiB - shared_worker_bytes(vllm, st, total)))
+    assert shared.tokens < alone.tokens and shared.peak_bytes <= shared.limit_bytes
+
+
 def test_a_cpu_run_fits_its_budget_and_keeps_to_it(tmp_path):
     """A real run on this CPU: the host's available memory is the rank's; a fraction that allows
     the estimated peak of ~16 of the mini-batch's 256 sequences at the longest length (76 tokens)

@@ -8,7 +8,9 @@ in the phases the micro-batch decides (the log-prob passes and the update, whose
 logits grow with it; not the rollout, whose KV cache does not) stays within ``engine.micro_batch_memory_fraction`` of the memory it has:
 
 - on a GPU, what ``torch.cuda.mem_get_info`` reports free when the rank starts (another process
-  on the device, a vLLM engine or the rollout worker, is already out of it);
+  on the device is already out of it), less, on the first rank, what a rollout worker that will
+  share its GPU holds (``shared_worker_bytes``: the worker starts after the fit and samples
+  during the update); a colocated vLLM engine sleeps through the update and is not counted;
 - on a CPU, the host's available memory (``/proc/meminfo`` MemAvailable) shared by the ranks on
   that host.
 
@@ -65,6 +67,23 @@ def _estimate_at(st, run_cfg: RunConfig, micro_seqs: int, seq_len: Optional[int]
                  activation_offload=e.activation_offload)
     r["peak"] = max((p for p in r["phases"] if p.phase in BUDGET_PHASES), key=lambda p: p.total)
     return r
+
+
+def shared_worker_bytes(run_cfg: RunConfig, st, device_total_bytes: int, attn_implementation: str = "sdpa") -> int:
+    """What the rollout worker holds on a GPU it shares with the first rank (a mode that samples
+    ahead, no GPU free for it: engine/trainer/rollout_ahead.py), all of it while that rank updates,
+    since the worker samples the next batch then: its copy of the policy, the whole batch's KV
+    cache (vLLM: its pool, ``rollout.gpu_memory_utilization`` of ``device_total_bytes`` with the
+    weights) and the sampling logits, as ``rl mem-report`` estimates them. 0 when nothing samples
+    ahead. The worker starts after the ranks have fitted their budget, so the free memory they
+    measure does not have it out yet."""
+    from engine.memory.estimate import _compute
+
+    e = run_cfg.engine
+    worker = _compute(st, run_cfg, seq_len=None, device_memory_bytes=device_total_bytes,
+                      attn_implementation=attn_implementation, param_offload=e.param_offload,
+                      optimizer_offload=e.optimizer_offload, activation_offload=e.activation_offload)["worker"]
+    return int(worker["total"]) if worker else 0
 
 
 def fit_token_budget(run_cfg: RunConfig, st, device_bytes: int, *, seq_len: Optional[int] = None,

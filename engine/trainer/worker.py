@@ -182,16 +182,26 @@ class RankWorker:
         from engine.errors import UserError
         from engine.memory.estimate import model_structure
         from engine.env_info import host_available_bytes
-        from engine.memory.micro_batch_fit import fit_token_budget
+        from engine.memory.micro_batch_fit import fit_token_budget, shared_worker_bytes
 
         ranks = [None] * self.world_size
+        worker_shares = False
         if self.device.type == "cuda":
-            device_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+            free, total = (int(b) for b in torch.cuda.mem_get_info(self.device))
+            device_bytes = free
+            if self.rank == 0 and self.run.versions_ahead:
+                import ray
+
+                # rollout_ahead.rollout_worker_gpus's rule, on the count the driver will read: every
+                # rank holds its GPU by now (the process group is up), so no GPU free = it shares ours
+                worker_shares = ray.available_resources().get("GPU", 0) < 1
         else:  # the host's memory, shared by the ranks on it
             dist.all_gather_object(ranks, socket.gethostname())
             device_bytes = (host_available_bytes() or 0) // max(1, ranks.count(socket.gethostname()))
         try:
             st = model_structure(self.cfg, hf_config_path=self.model_path or None, vocab_size=self.vocab["size"])
+            if worker_shares:
+                device_bytes = max(0, device_bytes - shared_worker_bytes(self.cfg, st, total))
             fit, failure = fit_token_budget(self.cfg, st, device_bytes), None
         except UserError as err:
             fit, failure = None, err
