@@ -192,6 +192,31 @@ def test_the_rollout_worker_computes_on_the_gpu_ray_assigned_it():
     assert worker_device("cpu", [], None) == torch.device("cpu")
 
 
+def test_a_rollout_worker_on_a_gpu_of_its_own_never_puts_its_engine_to_sleep():
+    """The worker's vLLM engine slept after every call (every turn in a multi-turn run): its KV
+    cache freed and its weights copied to the host and back, which pays only where the first
+    rank shares the GPU. With a GPU of its own (RolloutAhead.shares_gpu false) it stays awake;
+    sharing, it sleeps after each call as before."""
+    from engine.config.load import load_run_config
+    from engine.config.resolved import resolve_run
+    from engine.model.build import build_hf_model
+    from engine.trainer.rollout_worker import RolloutWorker
+
+    cfg = load_run_config(["trainer.mode=one_step_off", "rollout.max_new_tokens=4"]).config
+    vocab = {"size": 64, "pad": 0, "eos": 1}
+    weights = build_hf_model(cfg.model, "", 64, 0, 0, 1).state_dict()
+    slept = {}
+    for shares in (False, True):
+        w = RolloutWorker(resolve_run(cfg), 1)
+        w.setup("", vocab, weights, 0, "cpu", shares)
+        calls = []
+        w.sampler.sleep = lambda calls=calls: calls.append(1)
+        w.generate([[3, 4, 5]], 2)
+        list(w.generate_stream([[3, 4, 5]], 2))
+        slept[shares] = len(calls)
+    assert slept == {False: 0, True: 2}
+
+
 def test_router_replay_ahead_is_refused():
     r = rl("train", "trainer.mode=one_step_off", "algorithm.router_replay=record", "checkpoint.dir=/nonexistent/x")
     assert r.returncode == 2, r.stdout + r.stderr

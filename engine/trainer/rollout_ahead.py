@@ -147,7 +147,7 @@ class RolloutAhead:
         """Build the worker's sampler from the ranks' current weights (policy ``version``)."""
         weights = self.workers.export_weights(self.shares_gpu)
         device = "cuda" if self.workers.info[0]["device"].startswith("cuda") else "cpu"
-        get(self.actor.setup.remote(model_path, vocab, weights, version, device), self.timeout,
+        get(self.actor.setup.remote(model_path, vocab, weights, version, device, self.shares_gpu), self.timeout,
             "the rollout worker to start")
 
     def score_with(self, score: Callable) -> None:

@@ -58,9 +58,13 @@ class RolloutWorker:
             keep_host_heap()
         self.version = -1
         self.sampler = self.model = None
+        self.sleeps = True  # setup: whether the sampler frees the device after each call
 
-    def setup(self, model_path: str, vocab: dict, state_dict: dict, version: int, device: str = "cpu") -> dict:
-        """Build the sampler on ``device`` from the ranks' exported weights (``state_dict``, HF names)."""
+    def setup(self, model_path: str, vocab: dict, state_dict: dict, version: int, device: str = "cpu",
+              shares_gpu: bool = True) -> dict:
+        """Build the sampler on ``device`` from the ranks' exported weights (``state_dict``, HF names).
+        ``shares_gpu``: on the first rank's GPU (else a GPU of its own, where nothing else needs
+        the memory a sleeping vLLM engine would give back)."""
         import torch
 
         from engine.trainer.rollout_worker import rollout_seed
@@ -73,6 +77,7 @@ class RolloutWorker:
         else:
             self.device = torch.device(device)
         self.vocab, self.model_path = vocab, model_path
+        self.sleeps = shares_gpu
         self.generator = torch.Generator().manual_seed(rollout_seed(self.cfg.trainer.seed))
         if self.cfg.rollout.name == "vllm":
             from engine.rollout.vllm_sampler import VLLMSampler, hf_config_for
@@ -120,7 +125,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         with torch.no_grad():
             batch = self.sampler.generate(self.model, prompts, n, self.generator)
-        self.sampler.sleep()
+        self._sleep()
         return batch, {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                        "rss_peak": rss_peak_bytes(), "version": self.version}
 
@@ -133,9 +138,17 @@ class RolloutWorker:
 
         t0 = time.perf_counter()  # (the sampler sets no-grad around each decode step, never across a yield)
         yield from self.sampler.generate_pieces(self.model, prompts, n, self.generator, stream=True)
-        self.sampler.sleep()
+        self._sleep()
         yield {"time": time.perf_counter() - t0, "kv_cache_bytes": self.sampler.last_kv_cache_bytes,
                "rss_peak": rss_peak_bytes(), "version": self.version}
+
+    def _sleep(self) -> None:
+        """After a call: a vLLM engine on the first rank's GPU frees its KV cache and moves its
+        weights to the host until the next call or sync. On a GPU of its own it stays awake: a
+        sleep there freed memory nothing else uses and cost a host round trip of the weights per
+        call (per turn, in multi-turn runs)."""
+        if self.sleeps:
+            self.sampler.sleep()
 
     def rng_state(self):
         """The sampling generator's state (a uint8 tensor): what a checkpoint keeps of this worker."""
