@@ -199,3 +199,38 @@ def test_chat_delta_continues_the_context_exactly_as_the_template_renders_the_co
     env = ToolEnvironment({"add": add}, make_parser("auto", tok))
     step = env.step(user + [{"role": "assistant", "content": call}])
     assert [m["content"] for m in step.messages] == ["42", "12"] and not step.done
+
+
+def test_a_multi_turn_rollout_keeps_the_ranks_engines_awake_between_turns_and_sleeps_them_once():
+    """The ranks' vLLM engine slept after every generate call, so each turn of a multi-turn rollout
+    moved its weights to the host and back. generate_turns asks every turn to keep it awake and
+    puts it to sleep once, after the last turn, before the phases that need the memory; a
+    single-turn rollout is one call that sleeps by itself."""
+    from types import SimpleNamespace
+
+    from engine.trainer.trainer import generate_turns
+
+    calls = []
+
+    class Workers:  # the WorkerGroup calls generate_turns makes, recorded
+        def generate(self, prompts, n, greedy=False, keep_awake=False):
+            calls.append(("generate", len(prompts), keep_awake))
+            return SimpleNamespace(extras={}), [{"time": 1.0}]
+
+        def sleep_samplers(self):
+            calls.append(("sleep",))
+
+    class Agent:  # three turns, as the loop calls its sampler
+        def run(self, generate, prompts, examples, n, tokenizer):
+            batch = None
+            for _ in range(3):
+                batch = generate(prompts, n)
+            return SimpleNamespace(batch=batch, responses=list, env_rewards=list, metrics=dict, trajectories=[])
+
+    inputs = SimpleNamespace(agent=Agent(), task=SimpleNamespace(train=["a", "b"], val=[]), tokenizer=None)
+    _, stats = generate_turns(inputs, Workers(), [[1], [2]], 2, idx=[0, 1])
+    assert calls == [("generate", 2, True)] * 3 + [("sleep",)]
+    assert stats == [{"time": 3.0}]
+    calls.clear()
+    generate_turns(SimpleNamespace(agent=None), Workers(), [[1]], 2)
+    assert calls == [("generate", 1, False)]

@@ -526,12 +526,14 @@ def generate_turns(inputs: RunInputs, workers, prompts: list[list[int]], n: int,
         return workers.generate(prompts, n, greedy=greedy)
     stats: list = []
 
-    def gen(p, k):
-        b, s = workers.generate(p, k, greedy=greedy)
+    def gen(p, k):  # a vLLM engine stays awake from turn to turn (a sleep moves its weights to the host)
+        b, s = workers.generate(p, k, greedy=greedy, keep_awake=True)
         stats.append(s)
         return b
 
-    return run_episodes(inputs, gen, prompts, n, idx), _merge_gen_stats(stats)
+    batch = run_episodes(inputs, gen, prompts, n, idx)
+    workers.sleep_samplers()  # before the phases that need the memory (a failed loop ends the run)
+    return batch, _merge_gen_stats(stats)
 
 
 def run_episodes(inputs: RunInputs, generate, prompts: list[list[int]], n: int, idx=None) -> SequenceBatch:

@@ -249,7 +249,11 @@ class RankWorker:
             t.record_offload(report)
         return asdict(report)
 
-    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> tuple[SequenceBatch, dict]:
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 keep_awake: bool = False) -> tuple[SequenceBatch, dict]:
+        """``n`` samples per prompt. A vLLM engine on the GPU sleeps after the call (its KV cache
+        freed, its weights on the host) unless ``keep_awake``: a multi-turn rollout's turns, which
+        end with ``sleep_sampler`` once the episodes are done."""
         t0 = time.perf_counter()
         self._before_rollout()
         with self.tracker.phase("rollout", self.step) as t:
@@ -265,8 +269,13 @@ class RankWorker:
             if m is not None:
                 t.note(f"vllm: kv cache {m['kv_cache_bytes']} B, engine processes rss {m['engine_rss_bytes']} B"
                        + (f", outside torch {m['outside_torch_bytes']} B" if "outside_torch_bytes" in m else ""))
-        self.sampler.sleep()  # vLLM on GPU: free its KV cache and weights until the next sync
+        if not keep_awake:
+            self.sampler.sleep()  # vLLM on GPU: free its KV cache and weights until the next sync
         return batch, self._rollout_stats(t0)
+
+    def sleep_sampler(self) -> None:
+        """The end of a rollout whose calls kept the engine awake (``generate(keep_awake=True)``)."""
+        self.sampler.sleep()
 
     def generate_stream(self, prompts: list[list[int]], n: int):
         """trainer.stream_groups: ``generate``'s batch from the torch sampler as ``(first row,

@@ -258,20 +258,24 @@ class WorkerGroup:
     def _dp_args(self, shards: list) -> list[tuple]:
         return [(shards[inf["dp_rank"]],) for inf in self.info]
 
-    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False):
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False, keep_awake: bool = False):
         slices = shard_slices(len(prompts), self.dp_size)
         shards = [prompts[s] for s in slices]
         # fewer prompts than data-parallel ranks (a held-out set smaller than trainer.nprocs): a rank
         # whose share is empty samples the first prompt anyway and its output is dropped below. It
         # must sample: its first forward gathers each FSDP layer's weights, a collective the other
         # ranks wait in (an empty share was a traceback from the sampler; skipping it, a hang)
-        args = [(shards[inf["dp_rank"]] or prompts[:1], n, greedy) for inf in self.info]
+        args = [(shards[inf["dp_rank"]] or prompts[:1], n, greedy, keep_awake) for inf in self.info]
         out = self._all(RankWorker.generate, args, "rollout")
         from engine.batch import SequenceBatch
 
         parts = [out[self.dp_leaders[d]][0] for d in range(self.dp_size) if len(shards[d])]
         stats = [o[1] for o in out]
         return SequenceBatch.concat(parts), stats
+
+    def sleep_samplers(self) -> None:
+        """Every rank's rollout engine frees the device (after ``generate(keep_awake=True)`` calls)."""
+        self._all(RankWorker.sleep_sampler, [() for _ in self.info], "the rollout engines to sleep")
 
     def generate_stream(self, prompts: list[list[int]], n: int, stats: list):
         """trainer.stream_groups: ``generate``'s rows as the ranks sample them, each prompt group as
