@@ -13,7 +13,7 @@ import torch
 
 from engine.algorithms.logprobs import token_log_probs
 from engine.config.load import load_run_config
-from engine.backends.fused_head import head_log_probs, unfusable_reason
+from engine.backends.fused_head import head_log_probs, response_positions, unfusable_reason
 from engine.backends.prompt_sharing import grouped_logits
 from engine.batching.prompt_groups import group_prompts, to_response_columns
 from tests.dist_utils import run_ranks
@@ -44,6 +44,39 @@ def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_log
                                ref_grads):
         err = float((a.double() - b).abs().max())
         assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+
+
+def test_the_output_layer_computes_only_the_response_tokens_and_their_gradients_are_the_formulas():
+    """With ``positions`` (the response-predicting positions) the output layer computes those
+    alone: the float64 formula there, exactly 0 at every other position, and the gradients of a
+    loss over the response tokens equal the formula's for every parameter."""
+    batch = _rollout()
+    model = _model().train()
+    ids, attn = batch.input_ids, batch.attention_mask
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
+    mask = batch.response_mask[:, 1:].double()
+    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1) * mask
+    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
+    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+
+    where = response_positions(batch.response_mask)
+    assert 0 < where.numel() == int(batch.response_mask[:, 1:].sum()) < ids.numel()
+    target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    with head_log_probs(model, target, 0.7, chunk_tokens=5, entropy_grad=True, positions=where):
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    lp, ent = out[:, :-1, 0].double(), out[:, :-1, 1].double()
+    assert not (lp * (1 - mask)).any() and not (ent * (1 - mask)).any() and not out[:, -1].any()
+    torch.testing.assert_close(lp, ref_lp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.detach(), rtol=0, atol=1e-5)
+    loss = (lp * batch.advantages[:, 1:]).sum() + 0.1 * ent.sum()
+    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
+                               ref_grads):
+        err = float((a.double() - b).abs().max())
+        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)
+    # a micro-batch with no response token (a zero-weight twin) still goes through the layer
+    assert response_positions(torch.zeros(2, 5)).tolist() == [0]
 
 
 def test_the_grouped_fused_forward_gives_the_log_softmax_and_gradients_at_every_response_token():
@@ -125,11 +158,12 @@ def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     logp = torch.log_softmax(logits.double()[:, :-1] / cfg.rollout.temperature, dim=-1)
-    mask = batch.attention_mask[:, 1:].double()
+    mask = batch.response_mask[:, 1:].double()  # the output layer computes the response tokens' alone
     want_lp = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * mask
     want_ent = -(logp.exp() * logp).sum(-1) * mask
     for *_, (lp, ent) in two:
         assert not lp[:, 0].any() and not ent[:, 0].any()
+        assert not (lp[:, 1:] * (1 - mask)).any() and not (ent[:, 1:] * (1 - mask)).any()  # prompt positions: 0
         torch.testing.assert_close(lp[:, 1:].double(), want_lp, rtol=0, atol=1e-5)
         torch.testing.assert_close(ent[:, 1:].double(), want_ent, rtol=0, atol=1e-5)
 

@@ -47,12 +47,16 @@ def unfusable_reason(model) -> str:
 
 @contextmanager
 def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens: int, entropy_grad: bool,
-                   with_entropy: bool = True, rows: torch.Tensor | None = None):
+                   with_entropy: bool = True, rows: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None):
     """Within the block, ``model(...).logits`` is [B, T, 2]: log p(target[:, t]) and the entropy
     at each position (``target`` [B, T] on the model's device; without ``with_entropy``, zeros
     where the entropy would be, not computed). One forward per block. ``rows`` [B]: the output
     layer's input row each target row reads (a prompt-grouped forward's prompts to their samples,
-    engine/backends/prompt_sharing.py), so the forward's batch may be smaller than ``target``'s."""
+    engine/backends/prompt_sharing.py), so the forward's batch may be smaller than ``target``'s.
+    ``positions``: the flat indices (into B x T, on the model's device) of the only positions to
+    compute, zeros elsewhere: the output layer's work, and what it keeps for backward, is then
+    theirs alone (``response_positions``)."""
     head = _causal_lm(model).get_output_embeddings()
     had_own = "forward" in head.__dict__
     own = head.__dict__.get("forward")
@@ -60,9 +64,16 @@ def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if rows is not None:
             hidden = rows_of(hidden, rows)
-        lp, ent = linear_log_probs(hidden, head.weight, target, temperature, with_entropy=with_entropy,
-                                   entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
-        return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+        if positions is None:
+            lp, ent = linear_log_probs(hidden, head.weight, target, temperature, with_entropy=with_entropy,
+                                       entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+            return torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        lp, ent = linear_log_probs(flat, head.weight, target.reshape(-1).index_select(0, positions), temperature,
+                                   with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+        both = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
+        out = both.new_zeros(target.numel(), 2).index_copy(0, positions, both)
+        return out.view(*target.shape, 2)
 
     head.forward = forward
     try:
@@ -72,3 +83,15 @@ def head_log_probs(model, target: torch.Tensor, temperature: float, chunk_tokens
             head.forward = own
         else:
             del head.forward
+
+
+def response_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the positions [B, T] that predict a response token (position t
+    predicts token t + 1): all the loss, the old and reference log-probs and the entropy read.
+    At least one, so a micro-batch without any (a zero-weight twin) still goes through the output
+    layer and its weight gets a (zero) gradient like every other rank's. On the host, from the
+    batch's own mask: no device sync."""
+    need = torch.zeros(response_mask.shape, dtype=torch.bool)
+    need[:, :-1] = response_mask[:, 1:].cpu() > 0
+    idx = need.flatten().nonzero().squeeze(1)
+    return idx if idx.numel() else torch.zeros(1, dtype=torch.long)

@@ -326,16 +326,19 @@ class FSDPEngine(TrainEngine):
 
     def _fused_head_log_probs(self, model, batch: SequenceBatch, entropy_grad: bool, with_entropy: bool = True):
         """(log-prob, entropy) [B, T] of ``batch`` from ``model``'s output layer, laid out as
-        token_log_probs lays them out: position t holds input_ids[:, t]'s, position 0 holds 0
-        (the entropy None without ``with_entropy``)."""
+        token_log_probs lays them out: position t holds input_ids[:, t]'s (the entropy None
+        without ``with_entropy``). Only response tokens' are computed, what every consumer reads
+        (the loss, the old and reference log-probs, the entropy): 0 at prompt positions, where the
+        output layer does no work (``response_positions``)."""
         from torch.nn.functional import pad
 
-        from engine.backends.fused_head import head_log_probs
+        from engine.backends.fused_head import head_log_probs, response_positions
 
         ids = batch.input_ids.to(self.device)
         target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts t + 1; the last nothing
+        where = response_positions(batch.response_mask).to(self.device, non_blocking=True)
         with head_log_probs(model, target, self.cfg.rollout.temperature, self.cfg.engine.logprob_chunk_tokens,
-                            entropy_grad, with_entropy):
+                            entropy_grad, with_entropy, positions=where):
             out = self._forward_logits(model, batch)
         return pad(out[:, :-1, 0], (1, 0)), (pad(out[:, :-1, 1], (1, 0)) if with_entropy else None)
 
