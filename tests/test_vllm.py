@@ -62,12 +62,15 @@ def test_check_vllm_config_refusals():
     # behaviour ratio, or with off_policy_ratio=proximal the rollout weight), or the weight asked
     # for in the sync trainer; the sync trainer's own ratio (against its recomputed log-probs) is fine
     nucleus = ["rollout=vllm", "trainer.device=cpu", *VLLM_TINY, "rollout.top_p=0.9"]
-    for extra, names in ((["trainer.mode=one_step_off"], "off_policy_ratio=behavior"),
-                         (["trainer.mode=one_step_off", "algorithm.off_policy_ratio=proximal"], "rollout_is=token"),
-                         (["algorithm.rollout_is=sequence"], "rollout_is=sequence")):
+    for extra, names, fix in ((["trainer.mode=one_step_off"], "off_policy_ratio=behavior", "trainer.mode=sync"),
+                              (["trainer.mode=one_step_off", "algorithm.off_policy_ratio=proximal"], "rollout_is=token",
+                               "trainer.mode=sync"),
+                              (["algorithm.rollout_is=sequence"], "rollout_is=sequence", "algorithm.rollout_is=off")):
         with pytest.raises(ConfigError) as e:
             check_vllm_config(_cfg([*nucleus, *extra]), 32, require_installed=False)
-        assert names in e.value.message and "rollout.top_p=1.0" in e.value.message, (extra, e.value.message)
+        msg = e.value.message
+        assert names in msg and "rollout.top_p=1.0" in msg and f"or {fix}" in msg, (extra, msg)
+        assert ("or trainer.mode=sync" in msg) == (fix == "trainer.mode=sync"), msg  # a sync run is not told to be
     check_vllm_config(_cfg(nucleus), 32, require_installed=False)
     check_vllm_config(_cfg([*nucleus[:-1], "trainer.mode=one_step_off"]), 32, require_installed=False)
 
@@ -121,10 +124,11 @@ def test_export_dir_writes_full_weights_and_refuses_partial(tmp_path):
 
 
 def test_the_weights_go_where_two_copies_fit_and_a_full_disk_says_what_to_do(tmp_path, monkeypatch):
-    """The export goes to /dev/shm only when two copies of the weights fit there (a sync writes
-    the new file beside the old); a container's 64 MiB /dev/shm sends it to TMPDIR instead of
-    failing at the first write. A disk that fills anyway is named with the fix, and the half
-    file is removed."""
+    """The export goes to /dev/shm only when two copies of the weights for each rank on the host
+    fit there (a sync writes the new file beside the old); a container's 64 MiB /dev/shm sends it
+    to TMPDIR instead of failing at the first write. A disk that fills anyway (safetensors' own
+    error) is named with the fix, and the half file is removed; so is a disk that has less room
+    than the file, before anything is written."""
     import errno
     import shutil
 
@@ -140,26 +144,36 @@ def test_the_weights_go_where_two_copies_fit_and_a_full_disk_says_what_to_do(tmp
     real_usage = shutil.disk_usage
     monkeypatch.setattr(ws.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free["bytes"])
                         if str(p) == str(shm) else real_usage(p))
-    assert ws.export_base(10 << 20) == str(shm)  # a small model: both copies fit
-    assert ws.export_base(270 << 20) is None      # a 135M-parameter bf16 model: 2 x 270 MiB do not
+    assert ws.export_base(20 << 20) == str(shm)   # what is asked for fits
+    assert ws.export_base(540 << 20) is None      # two copies of a 135M-parameter bf16 model do not
     free["bytes"] = 1 << 40
-    assert ws.export_base(270 << 20) == str(shm)
+    assert ws.export_base(540 << 20) == str(shm)
 
     cfg = _cfg(VLLM_TINY)
+    hf = tiny_hf_config(cfg.model, VOCAB, PAD, EOS)
     free["bytes"] = 64 << 20
-    d = ws.HFExportDir(tiny_hf_config(cfg.model, VOCAB, PAD, EOS), False, torch.float32, weights_bytes=270 << 20)
+    one = ws.HFExportDir(hf, False, torch.float32, weights_bytes=10 << 20)  # 2 x 10 MiB fit in 64
+    eight = ws.HFExportDir(hf, False, torch.float32, weights_bytes=10 << 20, host_copies=8)  # 8 ranks' do not
+    assert one.path.parent == shm and eight.path.parent == tmp
+    one.remove(), eight.remove()
+    d = ws.HFExportDir(hf, False, torch.float32, weights_bytes=270 << 20)
     try:
         assert d.path.parent == tmp
+        from safetensors import SafetensorError
 
-        def full(*a, **k):
+        def full(*a, **k):  # what safetensors raises when the disk fills (not an OSError)
             Path(a[1]).write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
         monkeypatch.setattr("safetensors.torch.save_file", full)
         with pytest.raises(OSError) as e:
             d.write_weights({"model.norm.weight": torch.ones(128)})
         assert e.value.errno == errno.ENOSPC and str(tmp) in str(e.value) and "TMPDIR" in str(e.value)
         assert "--shm-size" in str(e.value) and not list(d.path.glob("*.tmp"))
+        monkeypatch.setattr(ws.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 20))
+        with pytest.raises(OSError, match="no space left in") as e:
+            d.write_weights({"model.norm.weight": torch.ones(1 << 19)})  # 2 MiB > 1 MiB free
+        assert e.value.errno == errno.ENOSPC
     finally:
         d.remove()
 

@@ -102,18 +102,20 @@ def check_vllm_config(run_cfg: RunConfig, head_dim: int, require_installed: bool
             f"distribution's. Set rollout.top_p=1.0, or algorithm.use_kl_loss=true, or rollout=torch.",
             title="invalid config")
     if c.rollout.top_p < 1.0:
-        from engine.config.resolved import behavior_ratio, rollout_is_level
+        from engine.config.resolved import behavior_ratio, rollout_is_level, versions_ahead
 
         use = ("PPO's ratio against the sampler's log-probs (algorithm.off_policy_ratio=behavior)" if behavior_ratio(c)
                else f"the rollout importance weight (algorithm.rollout_is={rollout_is_level(c)})"
                if rollout_is_level(c) != "off" else "")
         if use:  # log p_nucleus = log p - log Z: every ratio against them would be low by the nucleus's mass
+            other = ("trainer.mode=sync (it recomputes the log-probs its ratio uses)" if versions_ahead(c)
+                     else "algorithm.rollout_is=off")
             raise ConfigError(
                 f"rollout=vllm with rollout.top_p={c.rollout.top_p} returns log-probs renormalised over the "
                 f"top-p nucleus, but {use} under trainer.mode={c.trainer.mode} divides the trainer's full-"
                 f"distribution probability by them, so every ratio would be low by the nucleus's mass. Set "
                 f"rollout.top_p=1.0, or rollout=torch (its log-probs are the full distribution's), or "
-                f"trainer.mode=sync.", title="invalid config")
+                f"{other}.", title="invalid config")
     if require_installed:
         reason = vllm_unavailable_reason()
         if reason:
@@ -159,7 +161,8 @@ class VLLMSampler(Sampler):
     reads_live_model = False
 
     def __init__(self, cfg: RunConfig, hf_config, state_dict: dict[str, torch.Tensor], pad_token_id: int,
-                 eos_token_id: int, device: torch.device, rank: int = 0, rows_per_call: int = 0):
+                 eos_token_id: int, device: torch.device, rank: int = 0, rows_per_call: int = 0,
+                 host_copies: int = 1):
         set_vllm_env(device)  # before vLLM is first imported (its logging reads the env then)
         check_vllm_config(cfg, head_dim_of(hf_config))
         from engine.rollout.vllm_ipc import IpcDir
@@ -179,7 +182,8 @@ class VLLMSampler(Sampler):
         self.max_model_len = min(sampler_context(cfg) + 1,
                                  int(getattr(hf_config, "max_position_embeddings", 1 << 30)))
         self.export = HFExportDir(hf_config, self.tied, self.dtype, rank, weights_bytes=sum(
-            t.numel() * self.dtype.itemsize for k, t in state_dict.items() if not (self.tied and k == "lm_head.weight")))
+            t.numel() * self.dtype.itemsize for k, t in state_dict.items() if not (self.tied and k == "lm_head.weight")),
+            host_copies=host_copies)
         self.last_kv_cache_bytes = 0
         self.last_sync: dict = {}
         self.asleep = False
@@ -204,7 +208,8 @@ class VLLMSampler(Sampler):
         rank). ``vocab``: {"size", "pad", "eos"} as the worker gets it."""
         hf_config = hf_config_for(cfg, model_path, vocab)
         rows = math.ceil(cfg.data.train_batch_size / max(1, dp_size)) * cfg.algorithm.rollout_n
-        sampler = cls(cfg, hf_config, engine.export_hf_state_dict(), vocab["pad"], vocab["eos"], device, rank, rows)
+        sampler = cls(cfg, hf_config, engine.export_hf_state_dict(), vocab["pad"], vocab["eos"], device, rank, rows,
+                      host_copies=ranks_on_this_host())
         sampler.set_ends(vocab)
         return sampler
 
@@ -393,6 +398,20 @@ class VLLMSampler(Sampler):
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def ranks_on_this_host() -> int:
+    """The ranks on this process's host (each holds a vLLM engine and its weights' export): a
+    collective over the process group when there is one, else 1."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return max(1, hosts.count(socket.gethostname()))
+
+
 def engine_device_kwargs(device: torch.device) -> dict:
     """The engine argument that puts vLLM on this process's GPU. vLLM's single-GPU engine takes
     only the device type ("cuda") from its config and runs on visible device 0

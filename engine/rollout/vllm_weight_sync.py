@@ -41,9 +41,10 @@ def shm_dir() -> str | None:
 
 
 def export_base(weights_bytes: int) -> str | None:
-    """Where the export directory goes: /dev/shm when it has room for two copies of the weights
-    (a sync writes the new file beside the old one, then renames it), else None: the temp
-    directory (TMPDIR). A container's /dev/shm is 64 MiB unless it was started with --shm-size or
+    """Where the export directory goes: /dev/shm when it has room for ``weights_bytes`` (the
+    caller's count: two copies of the weights for every vLLM engine on this host, since a sync
+    writes the new file beside the old one, then renames it), else None: the temp directory
+    (TMPDIR). A container's /dev/shm is 64 MiB unless it was started with --shm-size or
     --ipc=host, too small for any real model's weights."""
     shm = shm_dir()
     if shm is None:
@@ -52,17 +53,19 @@ def export_base(weights_bytes: int) -> str | None:
         free = shutil.disk_usage(shm).free
     except OSError:
         return None
-    return shm if free >= 2 * weights_bytes + (16 << 20) else None
+    return shm if free >= weights_bytes + (16 << 20) else None
 
 
 class HFExportDir:
     """A temporary HF model directory that vLLM starts from and reloads weights from."""
 
     def __init__(self, hf_config, tie_word_embeddings: bool, dtype: torch.dtype, rank: int = 0,
-                 weights_bytes: int = 0):
+                 weights_bytes: int = 0, host_copies: int = 1):
         # locked for this process's life: a killed rank's copy of the weights (RAM, in /dev/shm)
-        # is removed by the next export directory made on the host
-        self._dir = OwnedDir(f"rl-vllm-rank{rank}-", export_base(weights_bytes), family="rl-vllm-rank")
+        # is removed by the next export directory made on the host. /dev/shm when it holds two
+        # copies for each of the host's ``host_copies`` engines (each rank with vLLM has its own)
+        self._dir = OwnedDir(f"rl-vllm-rank{rank}-", export_base(2 * weights_bytes * max(1, host_copies)),
+                             family="rl-vllm-rank")
         self.path = self._dir.path
         self.tied = bool(tie_word_embeddings)
         self.dtype = dtype
@@ -102,10 +105,12 @@ class HFExportDir:
         tmp = self.path / (WEIGHTS_FILE + ".tmp")
         size = sum(t.numel() * t.element_size() for t in out.values())
         try:
+            if shutil.disk_usage(self.path).free < size:
+                raise OSError(errno.ENOSPC, "No space left on device")
             save_file(out, str(tmp))
-        except OSError as e:
+        except Exception as e:  # safetensors raises its own SafetensorError ("... (os error 28)")
             tmp.unlink(missing_ok=True)
-            if e.errno != errno.ENOSPC:
+            if getattr(e, "errno", None) != errno.ENOSPC and "os error 28" not in str(e):
                 raise
             raise OSError(errno.ENOSPC, (
                 f"no space left in {self.path.parent} for the vLLM rollout's copy of the weights ({size / 2**20:,.0f} "
