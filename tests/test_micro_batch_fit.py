@@ -73,7 +73,6 @@ def test_a_device_too_small_for_one_sequence_is_refused_with_the_fix():
     assert "rl mem-report" in msg
 
 
-@pytest.mark.slow
 def test_a_rollout_worker_sharing_the_first_ranks_gpu_is_taken_out_before_the_fit():
     """A mode that samples ahead with no GPU free for the rollout worker puts it on the first
     rank's GPU, where it holds its own copy of the policy, its KV cache (vLLM: its pool, a share of
@@ -90,11 +89,18 @@ def test_a_rollout_worker_sharing_the_first_ranks_gpu_is_taken_out_before_the_fi
     assert torch_worker > weights
     vllm = _cfg(*SMOLLM2, "trainer.mode=one_step_off", "rollout=vllm", "rollout.gpu_memory_utilization=0.3")
     assert shared_worker_bytes(vllm, st, total) >= 0.3 * total
-    # 40 GiB free less the worker (vLLM's 24 GiB pool and its logits) fits fewer sequences
-    alone, shared = (fit_token_budget(vllm, st, free) for free in (40 * GiB, 40 * GiB - shared_worker_bytes(vllm, st, total)))
+    # 40 GiB free less the worker (vLLM's 24 GiB pool and its logits) fits fewer sequences, and says so
+    worker = shared_worker_bytes(vllm, st, total)
+    alone, shared = fit_token_budget(vllm, st, 40 * GiB), fit_token_budget(vllm, st, 40 * GiB, worker_bytes=worker)
     assert shared.tokens < alone.tokens and shared.peak_bytes <= shared.limit_bytes
+    assert shared.limit_bytes == int((40 * GiB - worker) * vllm.engine.micro_batch_memory_fraction)
+    assert "rollout worker sharing this GPU" in shared.describe() and "rollout worker" not in alone.describe()
+    with pytest.raises(UserError) as e:  # no room left for one sequence: the worker and its fixes named
+        fit_token_budget(vllm, st, worker + GiB // 4, worker_bytes=worker)
+    assert "rollout worker sharing this GPU" in e.value.message and "lower rollout.gpu_memory_utilization" in e.value.message
 
 
+@pytest.mark.slow
 def test_a_cpu_run_fits_its_budget_and_keeps_to_it(tmp_path):
     """A real run on this CPU: the host's available memory is the rank's; a fraction that allows
     the estimated peak of ~16 of the mini-batch's 256 sequences at the longest length (76 tokens)

@@ -45,12 +45,15 @@ class FittedBudget:
     limit_bytes: int     # engine.micro_batch_memory_fraction x device_bytes
     device_bytes: int
     whole_mini_batch: bool  # the budget holds the whole mini-batch: more memory would not change it
+    worker_bytes: int = 0   # taken out of device_bytes first: a rollout worker sharing the GPU
 
     def describe(self) -> str:
         from engine.memory.estimate import _fmt
 
         return (f"{self.tokens} (fitted: {self.micro_seqs} x {self.seq_len} tokens, estimated peak "
                 f"{_fmt(self.peak_bytes)} in {self.peak_phase} of {_fmt(self.limit_bytes)} allowed"
+                + (f", after the {_fmt(self.worker_bytes)} of the rollout worker sharing this GPU"
+                   if self.worker_bytes else "")
                 + (", the whole mini-batch" if self.whole_mini_batch else "") + ")")
 
 
@@ -87,22 +90,29 @@ def shared_worker_bytes(run_cfg: RunConfig, st, device_total_bytes: int, attn_im
 
 
 def fit_token_budget(run_cfg: RunConfig, st, device_bytes: int, *, seq_len: Optional[int] = None,
-                     attn_implementation: str = "sdpa") -> FittedBudget:
+                     attn_implementation: str = "sdpa", worker_bytes: int = 0) -> FittedBudget:
     """The largest budget (whole sequences of the longest padded length, at most the mini-batch)
-    whose estimated peak is within ``engine.micro_batch_memory_fraction`` of ``device_bytes``;
+    whose estimated peak is within ``engine.micro_batch_memory_fraction`` of ``device_bytes``
+    less ``worker_bytes`` (a rollout worker that will share the GPU: ``shared_worker_bytes``);
     ``st``: engine.memory.estimate.model_structure(...). UserError when one sequence does not fit."""
-    limit = int(device_bytes * run_cfg.engine.micro_batch_memory_fraction)
+    limit = int(max(0, device_bytes - worker_bytes) * run_cfg.engine.micro_batch_memory_fraction)
     one = _estimate_at(st, run_cfg, 1, seq_len, attn_implementation)
     sh = one["shapes"]
     if one["peak"].total > limit:
         from engine.memory.estimate import _fmt
 
+        vllm = run_cfg.rollout.name == "vllm"
+        share = f"rollout.gpu_memory_utilization={run_cfg.rollout.gpu_memory_utilization}"
+        worker = (f" less the {_fmt(worker_bytes)} the rollout worker sharing this GPU will hold (its copy of the "
+                  f"policy, KV cache{f' in the vLLM pool of {share}' if vllm else ''} and logits; give it a GPU of "
+                  f"its own, one more than the ranks use{f', or lower {share}' if vllm else ''})"
+                  if worker_bytes else "")
         raise UserError(
             f"engine.max_tokens_per_micro_batch=0 fits the micro-batch to the memory this rank has, but even one "
             f"sequence of {sh.seq_len} tokens gives an estimated peak of {_fmt(one['peak'].total)} "
             f"(in {one['peak'].phase}), over the {_fmt(limit)} allowed "
             f"(engine.micro_batch_memory_fraction={run_cfg.engine.micro_batch_memory_fraction} of "
-            f"{_fmt(device_bytes)}). `rl mem-report --estimate` with this run's overrides ranks what "
+            f"{_fmt(device_bytes)}{worker}). `rl mem-report --estimate` with this run's overrides ranks what "
             f"helps (gradient checkpointing, offload, more ranks, shorter sequences).",
             title="the micro-batch does not fit")
     lo, hi = 1, max(1, sh.mini_batch_seqs)  # lo fits; find the largest k that does
@@ -116,4 +126,4 @@ def fit_token_budget(run_cfg: RunConfig, st, device_bytes: int, *, seq_len: Opti
             hi = mid - 1
     return FittedBudget(tokens=lo * sh.seq_len, micro_seqs=lo, seq_len=sh.seq_len, peak_bytes=best["peak"].total,
                         peak_phase=best["peak"].phase, limit_bytes=limit, device_bytes=int(device_bytes),
-                        whole_mini_batch=lo >= sh.mini_batch_seqs)
+                        whole_mini_batch=lo >= sh.mini_batch_seqs, worker_bytes=int(worker_bytes))

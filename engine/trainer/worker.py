@@ -200,9 +200,8 @@ class RankWorker:
             device_bytes = (host_available_bytes() or 0) // max(1, ranks.count(socket.gethostname()))
         try:
             st = model_structure(self.cfg, hf_config_path=self.model_path or None, vocab_size=self.vocab["size"])
-            if worker_shares:
-                device_bytes = max(0, device_bytes - shared_worker_bytes(self.cfg, st, total))
-            fit, failure = fit_token_budget(self.cfg, st, device_bytes), None
+            worker = shared_worker_bytes(self.cfg, st, total) if worker_shares else 0
+            fit, failure = fit_token_budget(self.cfg, st, device_bytes, worker_bytes=worker), None
         except UserError as err:
             fit, failure = None, err
         dist.all_gather_object(ranks, (fit.tokens if fit else 0, fit.describe() if fit else "",
