@@ -27,7 +27,8 @@ class SequenceBatch:
     prompt_lengths   [B] long
     rollout_log_probs [B, T] float, log p(token_t | <t) from the sampler at position t (0 elsewhere)
     advantages       [B, T] float (set by the algorithm)
-    old_log_probs / ref_log_probs [B, T] float (set before the update)
+    old_log_probs / ref_log_probs [B, T] float (set before the update; meaningful only where
+                     response_mask is 1: engine.fused_lm_head leaves every other position 0)
     values / returns [B, T] float (PPO: the critic's values and GAE targets)
     routed_experts   [B, T, L, k] int16 (algorithm.router_replay): the rollout's top-k experts per
                      token and routed layer (engine/moe/routing_records.py); padding holds no record

@@ -115,7 +115,7 @@ def test_the_grouped_fused_forward_gives_the_log_softmax_and_gradients_at_every_
         assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
 
 
-def _step(rank, world, batch, fused: bool):
+def _step(rank, world, batch, fused: bool, share: bool | None = None):
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
     from engine.trainer.worker_group import shard_slices
@@ -124,8 +124,9 @@ def _step(rank, world, batch, fused: bool):
                            f"engine.fused_lm_head={str(fused).lower()}", "engine.logprob_chunk_tokens=7"]).config
     eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
-    eng.share_prompts = fused  # the reference is the plain forward; the fused step groups the prompts
-    assert eng._share_prompts() == fused
+    share = fused if share is None else share  # the reference is the plain forward
+    eng.share_prompts = share
+    assert eng._share_prompts() == share
     weights = {k: v.clone() for k, v in eng.export_hf_state_dict().items()}  # before the step
     passed = eng.compute_log_probs(batch, with_entropy=True)  # the no-grad pass (old/reference log-probs)
     lp_only, none = eng.compute_log_probs(batch)  # as the old/reference passes ask: no entropy computed
@@ -135,14 +136,25 @@ def _step(rank, world, batch, fused: bool):
         weights, passed
 
 
+def _steps(rank, world, batch):
+    """The fused step with the prompts grouped, then without (the output layer on the response
+    positions alone), on the same ranks."""
+    return [_step(rank, world, batch, True, share) for share in (True, False)]
+
+
 def test_fsdp2_step_with_the_fused_output_layer_equals_the_plain_step():
     """Two ranks, every decoder layer its own FSDP2 unit and the output layer in the root unit,
-    the prompts grouped, with an entropy bonus (its gradient goes through the fused backward too):
-    the same weights after one step as one rank's plain step of the plain forward (tolerance as
-    tests/test_fsdp_engine.py: 2e-5)."""
+    with an entropy bonus (its gradient goes through the fused backward too), the prompts grouped
+    and not: the same weights after one step as one rank's plain step of the plain forward
+    (tolerance as tests/test_fsdp_engine.py: 2e-5)."""
     batch = _rollout(n=4)
     (plain, m_plain, r_plain, start, _), = run_ranks(_step, 1, batch, False)
-    two = run_ranks(_step, 2, batch, True)
+    both = run_ranks(_steps, 2, batch)
+    for two in ([r[0] for r in both], [r[1] for r in both]):
+        _check_fused_ranks(batch, plain, m_plain, r_plain, start, two)
+
+
+def _check_fused_ranks(batch, plain, m_plain, r_plain, start, two):
     for k in plain:
         assert torch.allclose(plain[k], two[0][0][k], atol=2e-5), (k, (plain[k] - two[0][0][k]).abs().max())
     assert abs(r_plain["grad_norm"] - two[0][2]["grad_norm"]) < 1e-4

@@ -159,7 +159,9 @@ class TrainEngine(ABC):
     @torch.no_grad()
     def compute_log_probs(self, batch: SequenceBatch, ref: bool = False,
                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log p(input_ids[:, t] | <t) as [B, T] (0 at t=0 and on padding), no grad."""
+        """Per-token log p(input_ids[:, t] | <t) as [B, T] (0 at t=0 and on padding), no grad.
+        Read only where ``response_mask`` is 1: with engine.fused_lm_head the output layer computes
+        response tokens alone, and every other position is 0."""
         model = self.ref_model if ref else self.model
         if model is None:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")

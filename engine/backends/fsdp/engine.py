@@ -229,15 +229,17 @@ class FSDPEngine(TrainEngine):
 
     def _saved_key(self, mb: SequenceBatch, groups) -> tuple | None:
         """What a micro-batch's saved-for-backward bytes depend on (MemoryTracker.saved_tensors):
-        the model, grad and train mode, the input shape, the prompt-grouped layout's shapes, and
+        the model, grad and train mode, the input shape, the prompt-grouped layout's shapes,
         whether any position is padding (the attention mask is then a tensor, else SDPA's causal
-        flag). None under activation offload, whose hooks count through the meter every time."""
+        flag), and with the fused output layer in the plain layout its response positions. None under activation offload, whose hooks count through the meter every time."""
         if self.activation_offload is not None or self.tracker is None:
             return None
         layout = None if groups is None else (tuple(groups.prompt_ids.shape), tuple(groups.response_ids.shape),
                                               groups.fed, bool(groups.prompt_mask.all()))
+        # the fused output layer keeps only the response positions' hidden states (response_positions)
+        fused = int(mb.response_mask[:, 1:].gt(0).sum()) if self.cfg.engine.fused_lm_head and groups is None else None
         return (id(self.model), torch.is_grad_enabled(), self.model.training, tuple(mb.input_ids.shape),
-                bool(mb.attention_mask.all()), layout)
+                bool(mb.attention_mask.all()), layout, fused)
 
     def _observe_lengths(self, mbs) -> None:
         """Feed every rank's natural micro-batch lengths to every rank's bucket policy, so all
