@@ -116,13 +116,15 @@ def test_a_real_save_writes_where_stepdir_points(tmp_path):
 def test_a_rank_restores_its_own_gpus_generator_whatever_the_save_kept():
     """A rank saves its own GPU's CUDA generator state (a one-element list) and restores it to its
     current device, whatever index that device has; from a checkpoint that kept every visible
-    GPU's state, the entry at the rank's index, and none where the save saw fewer GPUs (before,
-    ``set_rng_state_all`` raised there: a run saved with every GPU visible, resumed under Ray's one
-    GPU per rank)."""
+    GPU's state, the entry at the rank's index when it sees as many GPUs as the save did, and none
+    otherwise (before, ``set_rng_state_all`` raised where it saw fewer: a run saved with every GPU
+    visible, resumed under Ray's one GPU per rank; and where it saw more, rank 3 on cuda:3 would
+    have taken rank 0's)."""
     from engine.checkpoint.save import own_cuda_rng_state
 
     own, a, b, c = (object() for _ in range(4))
-    assert own_cuda_rng_state([own], 0) is own
-    assert own_cuda_rng_state([own], 5) is own  # saved by a rank on cuda:5: its own, one entry
-    assert own_cuda_rng_state([a, b, c], 1) is b  # an older checkpoint: the rank's index
-    assert own_cuda_rng_state([a, b], 3) is None
+    assert own_cuda_rng_state([own], 0, 1) is own
+    assert own_cuda_rng_state([own], 5, 8) is own  # saved by a rank on cuda:5: its own, one entry
+    assert own_cuda_rng_state([a, b, c], 1, 3) is b  # an older checkpoint, the same GPUs visible
+    assert own_cuda_rng_state([a, b, c], 0, 1) is None  # saved seeing 3, resumed seeing 1: unknown
+    assert own_cuda_rng_state([a, b], 3, 8) is None

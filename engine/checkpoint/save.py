@@ -42,16 +42,18 @@ def rng_state(generator: torch.Generator | None) -> dict:
             "sampler": generator.get_state() if generator is not None else None}
 
 
-def own_cuda_rng_state(states: list, current: int):
-    """The saved CUDA generator state of the rank's own GPU (``current``, its index as the rank
-    sees it): a rank saves only its own (a one-element list), whichever index it has. Checkpoints
-    from before kept every visible GPU's (``get_rng_state_all``), which restored with
-    ``set_rng_state_all`` fails where the resume sees fewer GPUs than the save did (a cluster that
-    kept every GPU visible, resumed under Ray's one GPU per rank) and leaves the rank's own
-    generator unrestored where it sees more: from those, the entry at the rank's index."""
+def own_cuda_rng_state(states: list, current: int, visible: int):
+    """The saved CUDA generator state of the rank's own GPU (``current``, its index among the
+    ``visible`` GPUs the rank sees): a rank saves only its own (a one-element list), whichever
+    index it has. Checkpoints from before kept every visible GPU's (``get_rng_state_all``), which
+    restored with ``set_rng_state_all`` fails where the resume sees fewer GPUs than the save did (a
+    cluster that kept every GPU visible, resumed under Ray's one GPU per rank) and leaves the
+    rank's own generator unrestored where it sees more. From those, the entry at the rank's index
+    when the rank sees as many GPUs as the save did (the same indices); otherwise which entry was
+    its own is unknown, and none is restored (None)."""
     if len(states) == 1:
         return states[0]
-    return states[current] if current < len(states) else None
+    return states[current] if len(states) == visible and current < visible else None
 
 
 def set_rng_state(state: dict, generator: torch.Generator | None) -> None:
@@ -59,7 +61,7 @@ def set_rng_state(state: dict, generator: torch.Generator | None) -> None:
 
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        own = own_cuda_rng_state(state["cuda"], torch.cuda.current_device())
+        own = own_cuda_rng_state(state["cuda"], torch.cuda.current_device(), torch.cuda.device_count())
         if own is not None:
             torch.cuda.set_rng_state(own)  # the current device: the rank's
     random.setstate(state["python"])
