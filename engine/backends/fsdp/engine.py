@@ -231,7 +231,8 @@ class FSDPEngine(TrainEngine):
         """What a micro-batch's saved-for-backward bytes depend on (MemoryTracker.saved_tensors):
         the model, grad and train mode, the input shape, the prompt-grouped layout's shapes,
         whether any position is padding (the attention mask is then a tensor, else SDPA's causal
-        flag), and with the fused output layer in the plain layout its response positions. None under activation offload, whose hooks count through the meter every time."""
+        flag), and with the fused output layer in the plain layout its response positions. None
+        under activation offload, whose hooks count through the meter every time."""
         if self.activation_offload is not None or self.tracker is None:
             return None
         layout = None if groups is None else (tuple(groups.prompt_ids.shape), tuple(groups.response_ids.shape),
