@@ -20,16 +20,33 @@ from tests.dist_utils import run_ranks
 from tests.test_rollout_speed_update import EOS, PAD, VOCAB, _model, _rollout
 
 
+def _formula(model, batch, mask=None):
+    """The float64 formula on the model's own logits at temperature 0.7: each position's log-prob
+    of the next token and entropy (times ``mask`` [B, T-1] when given), the loss
+    sum(lp * advantage) + 0.1 * sum(entropy), and its gradient for every parameter."""
+    ids = batch.input_ids
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
+    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    if mask is not None:
+        ref_lp, ref_ent = ref_lp * mask, ref_ent * mask
+    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
+    return ref_lp.detach(), ref_ent.detach(), ref_loss.detach(), torch.autograd.grad(ref_loss, list(model.parameters()))
+
+
+def _assert_gradients(model, loss, ref_grads):
+    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
+                               ref_grads):
+        err = float((a.double() - b).abs().max())
+        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+
+
 def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_logits():
     batch = _rollout()
     model = _model().train()
     ids, attn = batch.input_ids, batch.attention_mask
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
-    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
-    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
-    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+    ref_lp, ref_ent, _, ref_grads = _formula(model, batch)
 
     target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     with head_log_probs(model, target, 0.7, chunk_tokens=5, entropy_grad=True):
@@ -37,13 +54,9 @@ def test_the_fused_forward_gives_the_log_softmax_and_gradients_of_the_models_log
     assert out.shape == ids.shape + (2,)
     assert "forward" not in model.lm_head.__dict__  # the output layer is itself again after the block
     lp, ent = out[:, :-1, 0], out[:, :-1, 1]
-    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=0, atol=1e-5)
-    loss = (lp.double() * batch.advantages[:, 1:]).sum() + 0.1 * ent.double().sum()
-    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
-                               ref_grads):
-        err = float((a.double() - b).abs().max())
-        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
+    _assert_gradients(model, (lp.double() * batch.advantages[:, 1:]).sum() + 0.1 * ent.double().sum(), ref_grads)
 
 
 def test_the_output_layer_computes_only_the_response_tokens_and_their_gradients_are_the_formulas():
@@ -53,13 +66,8 @@ def test_the_output_layer_computes_only_the_response_tokens_and_their_gradients_
     batch = _rollout()
     model = _model().train()
     ids, attn = batch.input_ids, batch.attention_mask
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
     mask = batch.response_mask[:, 1:].double()
-    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask
-    ref_ent = -(logp_all.exp() * logp_all).sum(-1) * mask
-    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
-    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+    ref_lp, ref_ent, _, ref_grads = _formula(model, batch, mask)
 
     where = response_positions(batch.response_mask)
     assert 0 < where.numel() == int(batch.response_mask[:, 1:].sum()) < ids.numel()
@@ -68,13 +76,9 @@ def test_the_output_layer_computes_only_the_response_tokens_and_their_gradients_
         out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
     lp, ent = out[:, :-1, 0].double(), out[:, :-1, 1].double()
     assert not (lp * (1 - mask)).any() and not (ent * (1 - mask)).any() and not out[:, -1].any()
-    torch.testing.assert_close(lp, ref_lp.detach(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent.detach(), rtol=0, atol=1e-5)
-    loss = (lp * batch.advantages[:, 1:]).sum() + 0.1 * ent.sum()
-    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
-                               ref_grads):
-        err = float((a.double() - b).abs().max())
-        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    _assert_gradients(model, (lp * batch.advantages[:, 1:]).sum() + 0.1 * ent.sum(), ref_grads)
     # a micro-batch with no response token (a zero-weight twin) still goes through the layer
     assert response_positions(torch.zeros(2, 5)).tolist() == [0]
 
@@ -86,14 +90,7 @@ def test_the_grouped_fused_forward_gives_the_log_softmax_and_gradients_at_every_
     sample's own first token."""
     batch = _rollout()
     model = _model().train()
-    ids, attn = batch.input_ids, batch.attention_mask
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    logp_all = torch.log_softmax(logits.double()[:, :-1] / 0.7, dim=-1)
-    mask = batch.response_mask[:, 1:].double()
-    ref_lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask
-    ref_ent = -(logp_all.exp() * logp_all).sum(-1) * mask
-    ref_loss = (ref_lp * batch.advantages[:, 1:]).sum() + 0.1 * ref_ent.sum()
-    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+    ref_lp, ref_ent, ref_loss, ref_grads = _formula(model, batch, batch.response_mask[:, 1:].double())
 
     groups = group_prompts(batch, PAD)
     assert groups is not None and groups.num_prompts < len(batch)  # the prompts are shared
@@ -105,14 +102,11 @@ def test_the_grouped_fused_forward_gives_the_log_softmax_and_gradients_at_every_
     m = cols.response_mask.double()
     lp, ent = out[..., 0].double() * m, out[..., 1].double() * m
     # column j of the response layout is position prompt_len + j of the plain layout, predicted by the one before
-    torch.testing.assert_close(lp, ref_lp.detach().gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent.detach().gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lp, ref_lp.gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.gather(1, groups.cols - 1) * m, rtol=0, atol=1e-5)
     loss = (lp * cols.advantages).sum() + 0.1 * ent.sum()
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=1e-5)
-    for (name, _), a, b in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters())),
-                               ref_grads):
-        err = float((a.double() - b).abs().max())
-        assert err <= 1e-6 * float(b.abs().max()) + 1e-6, (name, err)  # fp32 against the float64 formula
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    _assert_gradients(model, loss, ref_grads)
 
 
 def _step(rank, world, batch, fused: bool, share: bool | None = None):
