@@ -178,6 +178,31 @@ def test_the_weights_go_where_two_copies_fit_and_a_full_disk_says_what_to_do(tmp
         d.remove()
 
 
+def test_vllm_starts_from_one_directory_per_architecture(tmp_path):
+    """vLLM keys its CUDA compile cache by the model's path: runs of one architecture must start
+    from the same directory (else every run compiles from scratch), runs of another from a
+    different one; the path does not depend on where the model was read from; a cache that
+    cannot be written gives None (the caller starts from its export directory)."""
+    from engine.model.build import tiny_hf_config
+    from engine.rollout.vllm_weight_sync import start_dir
+
+    cfg = _cfg([*VLLM_TINY])
+    a = tiny_hf_config(cfg.model, VOCAB, PAD, EOS)
+    b = tiny_hf_config(cfg.model, VOCAB, PAD, EOS)
+    b._name_or_path = "/some/other/checkout"
+    first = start_dir(a, tmp_path)
+    assert first is not None and first.parent == tmp_path / "vllm-start"
+    assert start_dir(b, tmp_path) == first and [p.name for p in first.iterdir()] == ["config.json"]
+    import json
+    assert json.loads((first / "config.json").read_text())["hidden_size"] == a.hidden_size
+    wider = tiny_hf_config(_cfg([*VLLM_TINY, "model.intermediate_size=384"]).model, VOCAB, PAD, EOS)
+    assert start_dir(wider, tmp_path) not in (None, first)
+    assert sorted(p.name for p in (tmp_path / "vllm-start").iterdir()) == sorted(
+        [first.name, start_dir(wider, tmp_path).name]), "no temporary directory left behind"
+    (tmp_path / "blocked").write_text("a file where the cache directory would go")
+    assert start_dir(a, tmp_path / "blocked") is None
+
+
 def _vllm_rank(rank, world):
     """One rank: FSDP engine + vLLM sampler on a tied-embedding model (head_dim 32), with a temp
     directory of its own (what the engine leaves there is checked)."""
@@ -188,6 +213,7 @@ def _vllm_rank(rank, world):
 
     tmp = tempfile.mkdtemp(prefix="rank-tmp-")
     os.environ["TMPDIR"], tempfile.tempdir = tmp, tmp  # this process's and the engine processes'
+    os.environ["RL_CACHE_DIR"] = os.path.join(tmp, "cache")
     from engine.algorithms.policy_loss import PolicyLoss
     from engine.backends.fsdp import FSDPEngine
     from engine.rollout.vllm_sampler import VLLMSampler
@@ -198,7 +224,9 @@ def _vllm_rank(rank, world):
     eng = FSDPEngine(cfg, "", VOCAB, PAD, EOS, torch.device("cpu"), updates_per_step=1)
     eng.build()
     sampler = VLLMSampler.from_engine(cfg, eng, "", {"size": VOCAB, "pad": PAD, "eos": EOS}, eng.device, rank)
-    out = {"startup_s": sampler.startup_s, "ipc_dir": sampler.ipc.path}
+    out = {"startup_s": sampler.startup_s, "ipc_dir": sampler.ipc.path,
+           "started_from": sampler.llm.llm_engine.model_config.model,
+           "start_dirs": [str(p) for p in Path(tmp, "cache", "vllm-start").iterdir()]}
     try:
         out["ipc_sockets"] = sum(p.is_socket() for p in sampler.ipc.path.iterdir())
         prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [2]]
@@ -379,6 +407,9 @@ def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     socket files in /tmp per engine)."""
     (r,) = run_ranks(_vllm_rank, 1)
     assert r["ipc_dir"].name.startswith("rl-vllm-ipc-") and r["ipc_sockets"] >= 1, r
+    # vLLM started (without weights) from the config-only directory in rl's cache, not from the
+    # run's export directory; (2) below shows the exported weights were loaded into it
+    assert r["start_dirs"] == [r["started_from"]], r
     assert r["left_in_tmp"] == [], r["left_in_tmp"]
     from tests.test_sampling_parity import check_responses_follow
 

@@ -9,8 +9,10 @@ with the trainer, with the trainer's weights pushed into it in place after every
     sampler.verify_sync(engine, probe_batch)                     # debug: vLLM lp == trainer lp
 
 Startup exports the policy as a Hugging Face directory (config + safetensors, per rank, on
-/dev/shm) and starts vLLM from it with ``skip_tokenizer_init`` (token ids in, token ids out:
-no tokenizer files needed). Log-probs: vLLM is started with ``logprobs_mode=
+/dev/shm), starts vLLM without weights from a config-only directory named by the config's
+content (``start_dir``: the same path at every run, so vLLM's compile cache on CUDA is found
+again), with ``skip_tokenizer_init`` (token ids in, token ids out: no tokenizer files needed),
+and loads the exported weights into it as every later sync does. Log-probs: vLLM is started with ``logprobs_mode=
 "processed_logprobs"`` so the returned log-prob of each sampled token is
 ``log_softmax(logits / temperature)`` (the trainer's convention); vLLM's default
 (``raw_logprobs``) would ignore the temperature. vLLM applies top-p *before* it takes that
@@ -217,7 +219,11 @@ class VLLMSampler(Sampler):
     def _start(self, hf_config, rows: int):
         from vllm import LLM
 
-        kw = dict(model=str(self.export.path), skip_tokenizer_init=True, dtype=self.cfg.model.dtype,
+        from engine.model.smollm2 import cache_root
+        from engine.rollout.vllm_weight_sync import start_dir
+
+        kw = dict(model=str(start_dir(hf_config, cache_root()) or self.export.path), load_format="dummy",
+                  skip_tokenizer_init=True, dtype=self.cfg.model.dtype,
                   seed=self.cfg.trainer.seed, max_model_len=self.max_model_len,
                   logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
                   enable_prefix_caching=True, disable_log_stats=True, trust_remote_code=False,
@@ -232,7 +238,9 @@ class VLLMSampler(Sampler):
                 hf_config, self.dtype, self.max_model_len, rows))
         self.ipc.open()
         self._release_cached_memory()  # vLLM sizes itself from the device's free memory at start
-        return LLM(**kw)
+        llm = LLM(**kw)
+        llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
+        return llm
 
     def shutdown(self) -> None:
         """Stop the engine's processes and delete the export and socket directories."""
@@ -432,6 +440,9 @@ def set_vllm_env(device: torch.device) -> None:
         # same core; keep the rank's OMP_NUM_THREADS instead
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")     # nothing listens beyond loopback
+    from engine.rollout.vllm_plugin import ENV
+
+    os.environ[ENV] = "1"  # rl's vLLM plugin acts in this engine's processes (engine/rollout/vllm_plugin.py)
     # the engine core must be its own process: in-process (=0) it shares torch.distributed
     # with the trainer and destroys the trainer's default process group at shutdown
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

@@ -5,6 +5,12 @@ Two halves, one per process:
 * trainer side (``HFExportDir``): a per-rank directory (on /dev/shm when available) holding
   the policy as a Hugging Face checkpoint: ``config.json`` written once at startup, and
   ``model.safetensors`` rewritten (atomically) at every sync;
+* ``start_dir``: where vLLM starts from, a directory holding only ``config.json``, named by its
+  content in rl's cache. vLLM keys its torch.compile cache (CUDA) by the model's path among other
+  things, so starting from the per-run export directory (a fresh temporary name) compiled the
+  model from scratch at every run; from ``start_dir`` a second run of the same architecture
+  finds the first one's compiled graphs. vLLM starts there with ``load_format="dummy"`` (no
+  weights read) and the first ``rl_reload_weights`` loads the exported ones;
 * vLLM side (``WeightSyncExtension``): methods added to vLLM's worker class through
   ``LLM(worker_extension_cls=...)`` and called with ``llm.collective_rpc(name, args)``.
   Arguments cross the process boundary as plain data (a path, a bool), never tensors.
@@ -23,8 +29,11 @@ This module is imported inside vLLM's worker process; it must not import vLLM at
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +63,30 @@ def export_base(weights_bytes: int) -> str | None:
     except OSError:
         return None
     return shm if free >= weights_bytes + (16 << 20) else None
+
+
+def start_dir(hf_config, cache: Path) -> Path | None:
+    """``cache/vllm-start/<hash of config.json>``, holding ``hf_config``'s config.json (without
+    ``_name_or_path``, which names wherever the model was read from), written once by whichever
+    run gets there first and never changed (same name, same content). None when it cannot be
+    written (a read-only cache): the caller starts from its own export directory instead."""
+    config = json.loads(hf_config.to_json_string(use_diff=True))
+    config.pop("_name_or_path", None)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    final = Path(cache) / "vllm-start" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    if (final / "config.json").is_file():
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        (tmp / "config.json").write_text(text)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another run renamed its identical copy first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        return None
+    return final if (final / "config.json").is_file() else None
 
 
 class HFExportDir:
@@ -164,6 +197,9 @@ class WeightSyncExtension:
         """Reload every weight in place from ``weights_dir`` (a directory of safetensors)."""
         t0 = time.perf_counter()
         _quiet_reload_logs()
+        load = self.vllm_config.load_config
+        if load.load_format == "dummy":  # started from start_dir without weights: every load reads safetensors
+            load.load_format = "auto"
         self.reload_weights(weights_path=weights_dir, is_checkpoint_format=True)
         relinked = False
         if tied_embeddings:
