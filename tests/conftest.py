@@ -218,3 +218,21 @@ def _cpu_log(request):
     with open(path, "a") as f:
         f.write(json.dumps({"test": request.node.nodeid, "wall_s": round(time.monotonic() - t0, 2),
                             "own_cpu_s": round(own_s, 2), "ray_cpu_s": round(ray_s, 2)}) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _timeline(request):
+    """RL_TEST_TIMELINE=FILE: one JSON line per test with its xdist worker and its start and end
+    (epoch seconds): whether one worker waits idle at the end while the other runs a long test."""
+    path = os.environ.get("RL_TEST_TIMELINE")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    start = time.time()
+    yield
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": request.node.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                            "start": round(start, 2), "end": round(time.time(), 2)}) + "\n")
