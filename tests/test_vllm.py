@@ -254,8 +254,12 @@ def _vllm_rank(rank, world):
         out["after"] = after
         out["lp_after"], _ = eng.compute_log_probs(after)
         out["memory"] = sampler.memory()
+        # rl's vLLM plugin was loaded in vLLM's worker process, with the environment that turns it on
+        out["plugin_on"] = sampler.llm.collective_rpc("rl_plugin_on")
     finally:
+        procs = sampler.llm.llm_engine.engine_core.resources.engine_manager.processes
         sampler.shutdown()
+    out["engine_exitcodes"] = [p.exitcode for p in procs]  # -9: vLLM killed it after its 5 s deadline
     # torch's compile cache (torchinductor_<user>) is a cache, meant to stay; sockets are not
     out["left_in_tmp"] = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*")
                                 if p.is_socket() or p.name.startswith("rl-vllm"))
@@ -411,6 +415,10 @@ def test_vllm_generate_logprobs_and_weight_sync(vllm_importable):
     # run's export directory; (2) below shows the exported weights were loaded into it
     assert r["start_dirs"] == [r["started_from"]], r
     assert r["left_in_tmp"] == [], r["left_in_tmp"]
+    # rl's vLLM plugin ran in vLLM's processes (it skips the final GC walk at exit that took an
+    # engine core past vLLM's 5 s deadline: engine/rollout/vllm_plugin.py), and the engine core
+    # exited on its own after SIGTERM, not killed (-9)
+    assert r["plugin_on"] == [True] and r["engine_exitcodes"] == [0], r
     from tests.test_sampling_parity import check_responses_follow
 
     # (0) every sampled token follows softmax(logits / T) of the policy, EOS at its rate at every step

@@ -234,6 +234,12 @@ class WeightSyncExtension:
             out["cuda_reserved"] = int(torch.cuda.memory_reserved())
         return out
 
+    def rl_plugin_on(self) -> bool:
+        """Whether rl's vLLM plugin acts in this worker process (engine/rollout/vllm_plugin.py)."""
+        from engine.rollout import vllm_plugin
+
+        return vllm_plugin._registered
+
     def rl_weight_checksum(self, names: list[str]) -> dict:
         """Sum of each named parameter in vLLM's model (debugging a sync by hand)."""
         params = dict(self.model_runner.get_model().named_parameters())
