@@ -212,6 +212,15 @@ def _model_level_checks(tp: int) -> dict:
         out[f"{family}_tp_attrs_ok"] = all(
             bool(getattr(p, "tensor_model_parallel", False)) == (kinds[n] != "replicated")
             for n, p in gpt.named_parameters())
+        # engine/backends/megatron/fp8_shapes.py's per-rank weight shapes are the built layers' own
+        from engine.backends.megatron.fp8_shapes import fp8_weight_shapes
+
+        params = dict(gpt.named_parameters())
+        where = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
+                 "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+        out[f"{family}_fp8_shapes"] = (
+            {n: tuple(params[f"decoder.layers.0.{where[n]}.weight"].shape) for n in where},
+            fp8_weight_shapes(arch, tp))
         with torch.no_grad():
             for n, p in gpt.named_parameters():
                 p.copy_(local[n])
@@ -455,6 +464,8 @@ def test_megatron_logits_match_transformers(sessions, tp, family):
     assert m[f"{family}_logit_err"] < LOGIT_TOL
     assert m[f"{family}_pad_logits_zero"]
     assert m[f"{family}_tp_attrs_ok"]   # grad-norm dedup over TP relies on these marks
+    built, computed = m[f"{family}_fp8_shapes"]
+    assert built == computed  # what the FP8 shape check (engine/backends/megatron/fp8_shapes.py) reasons about
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])

@@ -93,6 +93,7 @@ class MegatronCritic(Critic):
 
         from engine.backends.megatron.model import (arch_from_hf_config, build_gpt_model, check_parallel_layout,
                                                     fusion_choices, transformer_config)
+        from engine.backends.megatron.fp8_shapes import check_fp8_shapes
         from engine.backends.megatron.sharded_state import ShardedState
         from engine.model.build import build_hf_model
         from engine.model.source import critic_model_dir
@@ -104,6 +105,8 @@ class MegatronCritic(Critic):
                             cfg.trainer.seed, e.pad_token_id, e.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=e.use_te)
         check_parallel_layout(self.arch, e.tp_size)
+        if cfg.engine.fp8:
+            check_fp8_shapes(self.arch, e.tp_size)
         if self.arch.is_moe:
             raise ConfigError("algorithm=ppo on engine=megatron builds a dense critic; this critic model is a "
                               "mixture of experts. Set critic.model_path to a dense model (e.g. a Llama/Qwen2 of "

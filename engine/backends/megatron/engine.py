@@ -128,6 +128,7 @@ class MegatronEngine(TrainEngine):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from engine.backends.megatron import cpu_shim
+        from engine.backends.megatron.fp8_shapes import check_fp8_shapes
         from engine.backends.megatron.hf_convert import hf_to_megatron, param_mappings
         from engine.backends.megatron.model import (arch_from_hf_config, build_gpt_model, check_parallel_layout,
                                                     fusion_choices, te_available, transformer_config)
@@ -166,6 +167,8 @@ class MegatronEngine(TrainEngine):
                             self.pad_token_id, self.eos_token_id)
         self.arch = arch_from_hf_config(hf.config, fused_norms=self.use_te)
         check_parallel_layout(self.arch, tp, ep)
+        if c.engine.fp8:
+            check_fp8_shapes(self.arch, tp)  # before TE's first forward asserts on a tensor's dims
         self.ep_size = ep
         self.ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
         self.ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
