@@ -149,18 +149,21 @@ def _sampler(cfg, model_dir: str, tok, rows: int, say, agent=None, examples=None
 
     hf_logging.disable_progress_bar()  # the CLI shows what is being done; no tqdm bar on stderr
     model = build_hf_model(cfg.model, model_dir, tok.vocab_size, cfg.trainer.seed, tok.pad_token_id,
-                           tok.eos_token_id).to(device).eval()
+                           tok.eos_token_id).eval()
     generator = torch.Generator().manual_seed(cfg.eval.seed)
     if cfg.rollout.name == "vllm":
         from engine.rollout.vllm_sampler import VLLMSampler
 
         say("starting vLLM")
+        # the weights stay on the host: vLLM takes its share of the GPU from the memory free when it
+        # starts, and a copy of the model there would only shrink its KV cache (or fail its start)
         sampler = VLLMSampler(cfg, model.config, model.state_dict(), tok.pad_token_id, tok.eos_token_id, device,
                               0, rows)
         model = None  # vLLM holds its own copy
     else:
         from engine.rollout.torch_sampler import TorchSampler
 
+        model = model.to(device)
         sampler = TorchSampler(cfg.rollout, tok.pad_token_id, tok.eos_token_id, device)
 
     sampler.set_ends({"eos": tok.eos_token_id, "ends": tok.end_token_ids,
