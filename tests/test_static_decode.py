@@ -183,3 +183,14 @@ def test_sampled_tokens_do_not_depend_on_rollout_chunks():
                                                                         torch.Generator().manual_seed(7))
     assert torch.equal(whole.input_ids, chunked.input_ids)
     assert torch.allclose(whole.rollout_log_probs, chunked.rollout_log_probs, atol=1e-5)
+
+
+def test_a_lane_thread_runs_on_the_rollouts_cuda_device():
+    """Each decode lane is a thread of its own, and a thread starts on CUDA device 0: on a rank's
+    ``cuda:N`` (every GPU visible) a lane sets N as its current device for its life, so streams and
+    index-less tensors go where the rollout's do. (CPU check of the choice; nothing is entered.)"""
+    from engine.rollout.torch_sampler import on_device
+
+    ctx = on_device(torch.device("cuda", 3))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 3
+    assert not isinstance(on_device("cpu"), torch.cuda.device)

@@ -39,6 +39,7 @@ EOS when sampling (fixed-length responses, like HF ``min_new_tokens`` / vLLM ``m
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -238,7 +239,7 @@ class TorchSampler(Sampler):
         elif len(jobs) == 1:
             results = [decode(*jobs[0])]
         else:
-            results = _run_lanes(decode, jobs)
+            results = _run_lanes(decode, jobs, self.device)
         self.last_lanes = max(self.last_lanes, len(jobs))
         tokens = torch.full((B, N), self.pad, dtype=torch.long)
         logps = torch.zeros((B, N))
@@ -275,7 +276,7 @@ class TorchSampler(Sampler):
 
         def lane(j, job):
             torch.set_num_threads(1 if len(jobs) > 1 else threads)  # as _run_lanes; one lane keeps them all
-            with torch.no_grad():
+            with torch.no_grad(), on_device(self.device):
                 return self._decode(*job, on_ended=lambda r, t, lp, n: ended.put((j, r, t, lp, n)))
 
         futures = [_lane_pool(len(jobs)).submit(lane, j, job) for j, job in enumerate(jobs)]
@@ -504,21 +505,30 @@ class TorchSampler(Sampler):
                              prompt_lengths=plen, rollout_log_probs=lp, routed_experts=routed)
 
 
-def _run_lanes(decode, jobs: list) -> list:
+def _run_lanes(decode, jobs: list, device) -> list:
     """``decode(*job)`` for every job at once, one thread each with one intra-op thread (CPU).
-    torch releases the GIL inside each op, so the lanes' ops run side by side; grad mode is
-    per thread, so each lane turns it off itself. The caller's thread count is restored."""
+    torch releases the GIL inside each op, so the lanes' ops run side by side; grad mode and the
+    current CUDA device are per thread, so each lane sets them itself. The caller's thread count
+    is restored."""
     threads = torch.get_num_threads()
 
     def lane(job):
         torch.set_num_threads(1)
-        with torch.no_grad():
+        with torch.no_grad(), on_device(device):
             return decode(*job)
 
     try:
         return list(_lane_pool(len(jobs)).map(lane, jobs))
     finally:
         torch.set_num_threads(threads)
+
+
+def on_device(device):
+    """A lane thread's current CUDA device set to the rollout's, for the lane's life: each thread
+    starts on device 0, where a stream or a tensor made without an index would go (a rank on
+    ``cuda:N`` with every GPU visible). Nothing to do on a CPU."""
+    d = torch.device(device)
+    return torch.cuda.device(d) if d.type == "cuda" else contextlib.nullcontext()
 
 
 _LANES: dict = {}  # the process's decode-lane pool, kept between rollouts: {"size": n, "pool": executor}
