@@ -638,6 +638,27 @@ def _fits(total: int, device: Optional[int]) -> tuple[Optional[bool], Optional[i
     return total <= device, device - total
 
 
+def _vllm_share_fix(run_cfg: RunConfig, cur: dict, device: Optional[int]) -> list[tuple[str, dict, str]]:
+    """vLLM on the ranks takes ``rollout.gpu_memory_utilization`` of the whole device for its weights
+    and KV pool, beside the trainer's resident state (the AdamW state too, which exists from the
+    first update on: vLLM's start checks against memory free before it, its wake after each update
+    does not). The largest share with which the rollout phase fits, when that is smaller than the
+    one set and still holds vLLM's weights with some room for KV; else nothing."""
+    util = run_cfg.rollout.gpu_memory_utilization
+    rollout = next((p for p in cur["phases"] if p.phase == "rollout"), None)
+    if not device or rollout is None or run_cfg.rollout.name != "vllm" or versions_ahead(run_cfg) > 0:
+        return []
+    share = int(util * device)
+    if share < cur["model_bytes"] or rollout.total <= device:  # no pool at all, or it fits
+        return []
+    rest = rollout.total - share  # the trainer's resident state and the sampling logits
+    fit = math.floor((device - rest) / device * 100) / 100
+    if fit >= util or fit * device < cur["model_bytes"] * 1.1:
+        return []
+    return [("smaller vLLM share", {"rollout.gpu_memory_utilization": fit},
+             f"vLLM's weights and KV pool beside the trainer's resident state (AdamW's included) in the rollout")]
+
+
 def _candidate_fixes(run_cfg: RunConfig, lay: _Layout, sh: _Shapes) -> list[tuple[str, dict, str]]:
     e, out = run_cfg.engine, []
     if not e.param_offload:
@@ -712,7 +733,8 @@ def estimate_memory(run_cfg: RunConfig, *, model=None, hf_config_path: Optional[
                                 r["peak"].total, r["peak"].phase, r["host"], fits, head))
 
     fixes = []
-    for name, ov, why in _candidate_fixes(run_cfg, cur["layout"], cur["shapes"]):
+    candidates = _candidate_fixes(run_cfg, cur["layout"], cur["shapes"])
+    for name, ov, why in candidates + _vllm_share_fix(run_cfg, cur, device_memory_bytes):
         try:
             cfg2 = _with_overrides(run_cfg, ov)
             r = _compute(st, cfg2, param_offload=cfg2.engine.param_offload,

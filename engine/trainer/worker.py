@@ -150,6 +150,8 @@ class RankWorker:
         self.micro_batch_budget = ""
         if e.max_tokens_per_micro_batch == 0 and e.micro_batch_size == 0:
             self.micro_batch_budget = self._fit_micro_batch_budget()
+        if self.device.type == "cuda" and self.rank == 0:
+            self._warn_if_over_the_device()
         self.engine: TrainingEngine = self._make_engine()
         torch.manual_seed(self.cfg.trainer.seed)
         self.engine.build()
@@ -213,6 +215,24 @@ class RankWorker:
         r = min(range(self.world_size), key=lambda i: ranks[i][0])
         self.cfg.engine.max_tokens_per_micro_batch = ranks[r][0]
         return ranks[r][1] + (f", rank {r}'s" if self.world_size > 1 else "")
+
+    def _warn_if_over_the_device(self) -> None:
+        """The run's memory estimate against this GPU's total (engine/memory/fit_warning.py): a
+        warning on stderr when the estimated peak is over it. Never stops the run."""
+        import torch
+
+        from engine.memory.estimate import estimate_memory
+        from engine.memory.fit_warning import fit_warning
+
+        try:
+            total = int(torch.cuda.mem_get_info(self.device)[1])
+            est = estimate_memory(self.cfg, hf_config_path=self.model_path or None, vocab_size=self.vocab["size"],
+                                  device_memory_bytes=total)
+            msg = fit_warning(est)
+        except Exception:  # an estimate that cannot be made says nothing about the run
+            return
+        if msg:
+            print(f"rl rank 0: warning: {msg}", file=sys.stderr, flush=True)
 
     def _make_sampler(self):
         if self.cfg.rollout.name == "vllm" and not self.run.versions_ahead:
