@@ -370,12 +370,20 @@ def _engine_kwargs(monkeypatch, device: torch.device, overrides=()) -> dict:
     from engine.rollout.vllm_sampler import VLLMSampler
 
     seen = {}
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.update(kw)))
+
+    class LLM:  # records its arguments and the RPCs made to it
+        def __init__(self, **kw):
+            seen.update(kw, rpcs=[])
+
+        def collective_rpc(self, method, args=()):
+            seen["rpcs"].append((method, args))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     s = object.__new__(VLLMSampler)
     s.cfg = _cfg(["rollout=vllm", *VLLM_TINY, *overrides])
     s.rcfg, s.device, s.on_cuda = s.cfg.rollout, device, device.type == "cuda"
-    s.dtype, s.max_model_len = torch.float32, 64
+    s.dtype, s.max_model_len, s.tied = torch.float32, 64, False
     s.export = types.SimpleNamespace(path="/nonexistent")
     s.ipc = types.SimpleNamespace(open=lambda: None)
     from engine.model.build import tiny_hf_config
@@ -392,6 +400,8 @@ def test_engine_runs_on_the_ranks_gpu(monkeypatch):
     lands on GPU 0. Device 0 and the CPU get no device_ids (as before)."""
     kw = _engine_kwargs(monkeypatch, torch.device("cuda", 3))
     assert kw["device_ids"] == [3] and kw["enable_sleep_mode"] is True
+    # started without weights, which are then loaded from the export directory
+    assert kw["load_format"] == "dummy" and kw["rpcs"] == [("rl_reload_weights", ("/nonexistent", False))]
     for dev in (torch.device("cuda", 0), torch.device("cuda")):
         kw = _engine_kwargs(monkeypatch, dev)
         assert "device_ids" not in kw and kw["enable_sleep_mode"] is True

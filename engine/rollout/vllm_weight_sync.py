@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from engine import json_safe
 from engine.owned_dirs import OwnedDir
 
 WEIGHTS_FILE = "model.safetensors"
@@ -70,7 +71,7 @@ def start_dir(hf_config, cache: Path) -> Path | None:
     ``_name_or_path``, which names wherever the model was read from), written once by whichever
     run gets there first and never changed (same name, same content). None when it cannot be
     written (a read-only cache): the caller starts from its own export directory instead."""
-    config = json.loads(hf_config.to_json_string(use_diff=True))
+    config = json_safe.loads(hf_config.to_json_string(use_diff=True))
     config.pop("_name_or_path", None)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     final = Path(cache) / "vllm-start" / hashlib.sha256(text.encode()).hexdigest()[:16]
