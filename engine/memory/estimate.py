@@ -656,7 +656,7 @@ def _vllm_share_fix(run_cfg: RunConfig, cur: dict, device: Optional[int]) -> lis
     if fit >= util or fit * device < cur["model_bytes"] * 1.1:
         return []
     return [("smaller vLLM share", {"rollout.gpu_memory_utilization": fit},
-             f"vLLM's weights and KV pool beside the trainer's resident state (AdamW's included) in the rollout")]
+             "vLLM's weights and KV pool beside the trainer's resident state (AdamW's included) in the rollout")]
 
 
 def _candidate_fixes(run_cfg: RunConfig, lay: _Layout, sh: _Shapes) -> list[tuple[str, dict, str]]:

@@ -54,4 +54,5 @@ def check_fp8_shapes(arch, tp: int) -> None:
         f"engine.fp8=true: Transformer-Engine runs a layer in FP8 only when its per-rank weight [out, in] has out "
         f"divisible by 8 and in by 16, and at engine.tensor_model_parallel_size={tp} these do not: "
         f"{', '.join(misfits)} (hidden {arch.hidden_size}, MLP {arch.intermediate_size}, {arch.num_heads} heads and "
-        f"{arch.num_kv_heads} key/value heads of {arch.head_dim}).{sizes} Or set engine.fp8=false.", title="invalid config value")
+        f"{arch.num_kv_heads} key/value heads of {arch.head_dim}).{sizes} Or set engine.fp8=false.",
+        title="invalid config value")
