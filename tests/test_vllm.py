@@ -480,13 +480,13 @@ def test_rl_train_vllm_learns_like_torch(vllm_importable, tmp_path):
     job and seed: reward of the last 10 steps at least double the first 10, and within 0.15 of the
     torch run's over the same steps (sampling streams differ, so not equal).
 
-    The vLLM runs take 20 steps (last 10 at least 2.5x the first 10 over seeds 0-2), the torch run
-    30: its reward starts higher (~0.4 over the first 10), so 20 steps leave its own 2x too little
-    margin (2.08 at seed 0); with a constant LR its first 20 steps are a 20-step run's, so the
-    comparison reads its steps 11-20 from metrics.jsonl."""
+    All three runs take 20 steps (the vLLM runs' last 10 at least 2.5x their first 10 over seeds
+    0-2). The torch run is the reference only: its own learning is tests/test_learning.py's (its
+    reward starts higher, ~0.4 over the first 10 steps, so 20 steps leave a 2x check of its own
+    too little margin)."""
     job = [*VLLM_TINY, "trainer.device=cpu", "checkpoint.save_final=false"]
     torch_run, vllm_run, ahead_run = _rl_train(
-        (tmp_path / "torch", [*job, "trainer.total_steps=30"]),
+        (tmp_path / "torch", [*job, "trainer.total_steps=20"]),
         (tmp_path / "vllm", [*job, "trainer.total_steps=20", "rollout=vllm", "rollout.verify_sync=true"]),
         (tmp_path / "ahead", [*job, "trainer.total_steps=20", "rollout=vllm", "trainer.mode=one_step_off"]))
 
@@ -501,13 +501,10 @@ def test_rl_train_vllm_learns_like_torch(vllm_importable, tmp_path):
     assert len(ahead) == 20
     assert ahead[0]["staleness"]["max"] == 0 and abs(ahead[0]["algo"]["rollout_ratio_max"] - 1) < 1e-3, ahead[0]
     assert all(r["staleness"]["max"] == 1 and r["staleness"]["rows_1"] == 32 * 8 for r in ahead[1:])
-    torch_rows = rows("torch")
-    assert [r["step"] for r in torch_rows[10:20]] == list(range(11, 21))
-    torch_11_20 = sum(r["reward_mean"] for r in torch_rows[10:20]) / 10
-    print(f"torch {torch_run['reward_first10']:.3f} -> {torch_11_20:.3f} (steps 11-20) -> "
-          f"{torch_run['reward_last10']:.3f} (21-30); vllm {vllm_run['reward_first10']:.3f} -> "
+    assert [r["step"] for r in rows("torch")] == list(range(1, 21))
+    torch_11_20 = torch_run["reward_last10"]
+    print(f"torch {torch_run['reward_first10']:.3f} -> {torch_11_20:.3f}; vllm {vllm_run['reward_first10']:.3f} -> "
           f"{vllm_run['reward_last10']:.3f}; ahead {ahead_run['reward_first10']:.3f} -> {ahead_run['reward_last10']:.3f}; "
           f"wall torch {torch_run['wall_time_s']:.0f}s vllm {vllm_run['wall_time_s']:.0f}s")
-    assert torch_run["reward_last10"] >= 2 * torch_run["reward_first10"], torch_run
     assert vllm_run["last_step"] == 20 and vllm_run["reward_last10"] >= 2 * vllm_run["reward_first10"], vllm_run
     assert abs(vllm_run["reward_last10"] - torch_11_20) <= 0.15, (torch_11_20, vllm_run)
