@@ -222,7 +222,8 @@ class VLLMSampler(Sampler):
         from engine.model.smollm2 import cache_root
         from engine.rollout.vllm_weight_sync import start_dir
 
-        kw = dict(model=str(start_dir(hf_config, cache_root()) or self.export.path), load_format="dummy",
+        tag = f"{self.device.type}{self.device.index or 0}"
+        kw = dict(model=str(start_dir(hf_config, cache_root(), tag) or self.export.path), load_format="dummy",
                   skip_tokenizer_init=True, dtype=self.cfg.model.dtype,
                   seed=self.cfg.trainer.seed, max_model_len=self.max_model_len,
                   logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
@@ -239,7 +240,14 @@ class VLLMSampler(Sampler):
         self.ipc.open()
         self._release_cached_memory()  # vLLM sizes itself from the device's free memory at start
         llm = LLM(**kw)
-        llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
+        try:
+            llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
+        except BaseException:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            raise
         return llm
 
     def shutdown(self) -> None:
@@ -442,7 +450,7 @@ def set_vllm_env(device: torch.device) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")     # nothing listens beyond loopback
     from engine.rollout.vllm_plugin import ENV
 
-    os.environ[ENV] = "1"  # rl's vLLM plugin acts in this engine's processes (engine/rollout/vllm_plugin.py)
+    os.environ[ENV] = str(os.getpid())  # rl's vLLM plugin acts in the engine's processes, not this one
     # the engine core must be its own process: in-process (=0) it shares torch.distributed
     # with the trainer and destroys the trainer's default process group at shutdown
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

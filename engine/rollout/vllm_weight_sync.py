@@ -66,28 +66,31 @@ def export_base(weights_bytes: int) -> str | None:
     return shm if free >= weights_bytes + (16 << 20) else None
 
 
-def start_dir(hf_config, cache: Path) -> Path | None:
-    """``cache/vllm-start/<hash of config.json>``, holding ``hf_config``'s config.json (without
-    ``_name_or_path``, which names wherever the model was read from), written once by whichever
-    run gets there first and never changed (same name, same content). None when it cannot be
-    written (a read-only cache): the caller starts from its own export directory instead."""
+def start_dir(hf_config, cache: Path, tag: str = "") -> Path | None:
+    """``cache/vllm-start/<hash of config.json>-<tag>``, holding ``hf_config``'s config.json
+    (without ``_name_or_path``, which names wherever the model was read from), written once by
+    whichever run gets there first and never changed (same name, same content). ``tag``: the
+    device (``cuda3``), so the engines of one host's ranks, compiling at the same time, each keep
+    their own compile cache (vLLM writes its index file in place). None when it cannot be written
+    or read (a read-only cache): the caller starts from its own export directory instead."""
     config = json_safe.loads(hf_config.to_json_string(use_diff=True))
     config.pop("_name_or_path", None)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    final = Path(cache) / "vllm-start" / hashlib.sha256(text.encode()).hexdigest()[:16]
-    if (final / "config.json").is_file():
-        return final
+    final = Path(cache) / "vllm-start" / (hashlib.sha256(text.encode()).hexdigest()[:16] + (f"-{tag}" if tag else ""))
     try:
+        if (final / "config.json").is_file():
+            return final
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         (tmp / "config.json").write_text(text)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide it from the other users of a shared cache
         try:
             os.rename(tmp, final)
         except OSError:  # another run renamed its identical copy first
             shutil.rmtree(tmp, ignore_errors=True)
+        return final if (final / "config.json").is_file() else None
     except OSError:
         return None
-    return final if (final / "config.json").is_file() else None
 
 
 class HFExportDir:
@@ -201,7 +204,25 @@ class WeightSyncExtension:
         load = self.vllm_config.load_config
         if load.load_format == "dummy":  # started from start_dir without weights: every load reads safetensors
             load.load_format = "auto"
-        self.reload_weights(weights_path=weights_dir, is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        loaded: dict = {}
+        load_weights = model.load_weights
+
+        def recording(weights):  # vLLM's in-place reload only logs what it did not load
+            loaded["names"] = load_weights(weights)
+            return loaded["names"]
+
+        model.load_weights = recording
+        try:
+            self.reload_weights(weights_path=weights_dir, is_checkpoint_format=True)
+        finally:
+            del model.load_weights
+        missing = {n for n, _ in model.named_parameters()} - set(loaded.get("names") or ())
+        if tied_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:  # left as they were: random values after the start without weights
+            raise RuntimeError(f"the exported weights in {weights_dir} lack {len(missing)} of vLLM's parameters "
+                               f"({', '.join(sorted(missing)[:5])}); vLLM would sample with them unset")
         relinked = False
         if tied_embeddings:
             model = self.model_runner.get_model()
