@@ -1,7 +1,9 @@
 """rl's vLLM plugin (entry point ``vllm.general_plugins``: vLLM loads it in each of its processes).
 
-It acts only in the engines rl starts (``set_vllm_env`` sets ``RL_VLLM_ENGINE=1``, which vLLM's
-processes inherit); any other vLLM on the machine loads it and nothing happens.
+It acts only in the processes of the engines rl starts: ``set_vllm_env`` sets ``RL_VLLM_ENGINE``
+to the starting process's pid, which vLLM's processes inherit, and the plugin acts where the pid
+differs (vLLM also loads plugins in the process that creates the engine: rl's own, left alone).
+Any other vLLM on the machine loads it and nothing happens.
 
 What it does: freezes the garbage collector's objects when the process exits. Each of vLLM's
 processes (on CPU an engine core and a worker, spawned, so they end through the interpreter's full
@@ -24,7 +26,8 @@ ENV = "RL_VLLM_ENGINE"
 def register() -> None:
     """The plugin's entry point; vLLM may call it more than once in a process."""
     global _registered
-    if os.environ.get(ENV) == "1" and not _registered:
+    starter = os.environ.get(ENV, "")
+    if starter.isdigit() and int(starter) != os.getpid() and not _registered:
         atexit.register(gc.freeze)
         _registered = True
 
