@@ -185,12 +185,25 @@ def test_sampled_tokens_do_not_depend_on_rollout_chunks():
     assert torch.allclose(whole.rollout_log_probs, chunked.rollout_log_probs, atol=1e-5)
 
 
-def test_a_lane_thread_runs_on_the_rollouts_cuda_device():
+def test_a_lane_thread_runs_on_the_rollouts_cuda_device(monkeypatch):
     """Each decode lane is a thread of its own, and a thread starts on CUDA device 0: on a rank's
     ``cuda:N`` (every GPU visible) a lane sets N as its current device for its life, so streams and
-    index-less tensors go where the rollout's do. (CPU check of the choice; nothing is entered.)"""
-    from engine.rollout.torch_sampler import on_device
+    index-less tensors go where the rollout's do. On CPU: every lane enters the device's context,
+    and the context for cuda:3 names device 3."""
+    import contextlib
 
-    ctx = on_device(torch.device("cuda", 3))
+    import engine.rollout.torch_sampler as ts
+
+    entered = []
+
+    def recording(device):
+        entered.append(str(device))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(ts, "on_device", recording)
+    s, _ = _lanes_generate(_model("llama"), 3)
+    assert s.last_lanes == 3 and entered == ["cpu"] * 3
+    monkeypatch.undo()
+    ctx = ts.on_device(ts.lane_device(torch.device("cuda", 3)))
     assert isinstance(ctx, torch.cuda.device) and ctx.idx == 3
-    assert not isinstance(on_device("cpu"), torch.cuda.device)
+    assert not isinstance(ts.on_device("cpu"), torch.cuda.device)

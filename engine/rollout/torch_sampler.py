@@ -274,9 +274,11 @@ class TorchSampler(Sampler):
         left = [s1 - s0 for s0, s1 in groups]
         done: dict[int, tuple] = {}
 
+        device = lane_device(self.device)
+
         def lane(j, job):
             torch.set_num_threads(1 if len(jobs) > 1 else threads)  # as _run_lanes; one lane keeps them all
-            with torch.no_grad(), on_device(self.device):
+            with torch.no_grad(), on_device(device):
                 return self._decode(*job, on_ended=lambda r, t, lp, n: ended.put((j, r, t, lp, n)))
 
         futures = [_lane_pool(len(jobs)).submit(lane, j, job) for j, job in enumerate(jobs)]
@@ -511,6 +513,7 @@ def _run_lanes(decode, jobs: list, device) -> list:
     current CUDA device are per thread, so each lane sets them itself. The caller's thread count
     is restored."""
     threads = torch.get_num_threads()
+    device = lane_device(device)
 
     def lane(job):
         torch.set_num_threads(1)
@@ -523,10 +526,17 @@ def _run_lanes(decode, jobs: list, device) -> list:
         torch.set_num_threads(threads)
 
 
+def lane_device(device) -> torch.device:
+    """The rollout's device with its index, resolved in the calling thread (a bare ``cuda`` is the
+    caller's current device; a lane thread would read its own, always 0)."""
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
 def on_device(device):
-    """A lane thread's current CUDA device set to the rollout's, for the lane's life: each thread
-    starts on device 0, where a stream or a tensor made without an index would go (a rank on
-    ``cuda:N`` with every GPU visible). Nothing to do on a CPU."""
+    """A lane thread's current CUDA device set to ``device`` (from ``lane_device``), for the lane's
+    life: each thread starts on device 0, where a stream or a tensor made without an index would go
+    (a rank on ``cuda:N`` with every GPU visible). Nothing to do on a CPU."""
     d = torch.device(device)
     return torch.cuda.device(d) if d.type == "cuda" else contextlib.nullcontext()
 
