@@ -195,10 +195,9 @@ class VLLMSampler(Sampler):
         rows = max(rows, cfg.task.num_val)
         try:
             self.export.write_weights(state_dict)
-            self.llm = self._start(hf_config, rows)
+            self._start(hf_config, rows)
         except BaseException:
-            self.export.remove()
-            self.ipc.remove()
+            self.shutdown()  # an engine that started, then the export and socket directories
             raise
         self.startup_s = time.perf_counter() - t0
         self.kv_cache_bytes = self._kv_cache_bytes()
@@ -216,7 +215,8 @@ class VLLMSampler(Sampler):
         return sampler
 
     # ---- engine lifecycle -----------------------------------------------------------------
-    def _start(self, hf_config, rows: int):
+    def _start(self, hf_config, rows: int) -> None:
+        """Start the engine (``self.llm``) without weights, then load the export into it."""
         from vllm import LLM
 
         from engine.model.smollm2 import cache_root
@@ -239,16 +239,8 @@ class VLLMSampler(Sampler):
                 hf_config, self.dtype, self.max_model_len, rows))
         self.ipc.open()
         self._release_cached_memory()  # vLLM sizes itself from the device's free memory at start
-        llm = LLM(**kw)
-        try:
-            llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
-        except BaseException:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            raise
-        return llm
+        self.llm = LLM(**kw)
+        self.llm.collective_rpc("rl_reload_weights", args=(str(self.export.path), self.tied))
 
     def shutdown(self) -> None:
         """Stop the engine's processes and delete the export and socket directories."""
