@@ -59,7 +59,53 @@ def test_aggregation_modes_by_hand():
 def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
     assert kl_penalty(lp, ref, "k1").item() == 1.0
+    assert kl_penalty(lp, ref, "k2").item() == 0.5
     assert abs(kl_penalty(lp, ref, "k3").item() - (math.exp(-1) + 1 - 1)) < 1e-6
+
+
+def _exact_expected_grad(kind: str, logits: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """E_{a ~ pi}[grad kl_kind(a)] exactly (a sum over the vocabulary), as an on-policy loss term
+    differentiates it: the sample's probability is not differentiated (the loss sees fixed tokens)."""
+    theta = logits.clone().requires_grad_()
+    logp = torch.log_softmax(theta, -1)
+    probs = logp.exp().detach()
+    (probs * kl_penalty(logp, ref_logp, kind)).sum().backward()
+    return theta.grad
+
+
+def test_kl_estimators_expected_gradients_from_first_principles():
+    """As a loss on tokens sampled from pi: k2's expected gradient is exactly grad KL(pi || ref);
+    k1's is 0 (why config refuses k1 as a loss); k3's is grad KL(ref || pi) (the known caveat)."""
+    g = torch.Generator().manual_seed(0)
+    logits, ref_logits = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    ref_logp = torch.log_softmax(ref_logits, -1)
+
+    def true_grad(reverse: bool) -> torch.Tensor:
+        theta = logits.clone().requires_grad_()
+        logp = torch.log_softmax(theta, -1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum() if reverse else (logp.exp() * (logp - ref_logp)).sum()
+        kl.backward()
+        return theta.grad
+
+    assert torch.allclose(_exact_expected_grad("k2", logits, ref_logp), true_grad(False), atol=1e-6)
+    assert torch.allclose(_exact_expected_grad("k1", logits, ref_logp), torch.zeros(6), atol=1e-6)
+    assert torch.allclose(_exact_expected_grad("k3", logits, ref_logp), true_grad(True), atol=1e-6)
+    assert not torch.allclose(true_grad(True), true_grad(False), atol=1e-3)  # the two differ here
+
+
+def test_kl_and_ratio_stay_finite_where_a_log_prob_is_far_below_the_reference():
+    """A padded position: the reference's log-prob is 0 there, the policy's may be below -88; the
+    term is masked afterwards, but an infinite exp would make its gradient 0 x inf = NaN and the
+    whole step's gradient non-finite."""
+    log_p = torch.tensor([[-1.0, -95.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0]])
+    for kind in ("k1", "k2", "k3", "low_var_kl"):
+        (kl_penalty(log_p, torch.tensor([[-1.5, 0.0]]), kind) * mask).sum().backward()
+        assert torch.isfinite(log_p.grad).all(), kind
+        log_p.grad = None
+    loss, _ = ppo_clip_token_loss(log_p, torch.tensor([[-1.0, -200.0]]), torch.tensor([[1.0, 0.0]]), 0.2, 0.28)
+    (loss * mask).sum().backward()
+    assert torch.isfinite(log_p.grad).all()
 
 
 # ---- estimators (engine/algorithms/estimators.py) ---------------------------------------
@@ -141,6 +187,49 @@ def test_overlong_penalty_soft_window():
     assert torch.equal(overlong_penalty(lengths, 12, 0), torch.zeros(6))
 
 
+def test_groups_whose_rewards_are_all_equal_get_exactly_zero_advantage():
+    """No reward difference, no push: a float32 mean one ulp off a fractional reward, divided by a
+    std of ~6e-8, gave every sample of such a group the same advantage of ~0.06."""
+    for n in (2, 3, 5, 7, 8, 16, 64):
+        for value in (0.1, 0.3, 0.7, 0.9, 1 / 3, 0.55):
+            r = torch.cat([torch.full((n,), value), torch.arange(n, dtype=torch.float32) / n])
+            for adv in (grpo_advantages(r, n), grpo_advantages(r, n, norm_by_std=False), rloo_advantages(r, n)):
+                assert torch.equal(adv[:n], torch.zeros(n)), (n, value)
+                assert adv[n:].abs().sum() > 0  # the group with a spread still learns
+
+
+def test_multi_turn_returns_and_gae_skip_the_environment_tokens():
+    """Two model turns with a tool's tokens between them (mask 0), outcome reward 1 on the last
+    model token: every model token of both turns earns it (the episode ends once, at the last
+    token), and GAE bootstraps turn 1's last token from turn 2's first value, not from 0."""
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    tok = outcome_token_rewards(torch.tensor([1.0]), mask)
+    assert torch.equal(discounted_returns(tok, mask, 1.0), mask)
+    # gamma counts model tokens only: 4 of them, the first 3 steps from the reward
+    g = discounted_returns(tok, mask, 0.5)
+    assert torch.allclose(g, torch.tensor([[0, 0.125, 0.25, 0, 0, 0.5, 1.0, 0]]))
+    values = torch.full((1, 8), 0.5)
+    adv, ret = gae(tok, values, mask, 1.0, 1.0)
+    assert torch.allclose(adv, 0.5 * mask)   # Monte-Carlo: 1 - V on every model token
+    assert torch.allclose(ret, mask)          # the critic's target: the outcome, in both turns
+    # lam = 0 (one-step TD): turn 1's last token sees turn 2's first value
+    adv0, _ = gae(tok, torch.tensor([[0, 0.1, 0.2, 9, 9, 0.3, 0.4, 9]]), mask, 1.0, 0.0)
+    assert torch.allclose(adv0, torch.tensor([[0, 0.1, 0.1, 0, 0, 0.1, 0.6, 0]]), atol=1e-6)
+
+
+def test_overlong_penalty_reads_the_longest_model_turn():
+    """Each turn is sampled under max_new_tokens on its own: two turns of 6 tokens under a limit
+    of 12 (buffer 4) are not near it; a turn of 11 is."""
+    from engine.algorithms.estimators import longest_turn
+
+    mask = torch.tensor([[1] * 6 + [0] * 3 + [1] * 6, [1] * 11 + [0] * 2 + [1] * 2, [1] * 12 + [0] * 3],
+                        dtype=torch.float32)
+    assert longest_turn(mask).tolist() == [6, 11, 12]
+    out = compute_advantages(AlgorithmConfig(name="dapo", overlong_buffer_len=4, rollout_n=3),
+                             torch.ones(3), mask, 3, max_len=12)
+    assert out.metrics["overlong_penalty"] == pytest.approx((0 - 0.75 - 1.0) / 3)
+
+
 def test_zero_variance_groups():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
     assert zero_variance_groups(r, 2).tolist() == [True, False, True]
@@ -161,7 +250,10 @@ def test_compute_advantages_dispatches_each_preset():
     kl = torch.ones(2, 5)
     cfg = AlgorithmConfig(name="rloo", kl_coef=0.5, use_kl_loss=False)
     with_kl = compute_advantages(cfg, rewards, MASK, 2, kl=kl)
-    assert torch.allclose(with_kl.advantages, rloo.advantages - 0.5 * MASK)
+    # each token pays the KL of itself and every later token of its response (reward-to-go):
+    # row 0 has 3 response tokens, row 1 two
+    to_go = torch.tensor([[0, 0, 3.0, 2, 1], [0, 0, 2, 1, 0]])
+    assert torch.allclose(with_kl.advantages, rloo.advantages - 0.5 * to_go)
     as_loss = compute_advantages(AlgorithmConfig(name="rloo", kl_coef=0.5), rewards, MASK, 2, kl=kl)
     assert torch.equal(as_loss.advantages, rloo.advantages)
 
@@ -234,3 +326,17 @@ def test_entropy_metric_is_per_token_for_every_aggregation():
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         _, m = PolicyLoss(AlgorithmConfig(loss_agg_mode=mode))(torch.zeros(2, 4), ent, b, 5.0, 2.0)
         assert m["entropy"] == pytest.approx(0.5), mode
+
+
+def test_k1_as_a_loss_is_refused_and_k1_in_the_reward_is_not():
+    """k1's expected gradient as a loss is 0 (test above): a run asking for it gets no pull towards
+    the reference, so it is refused with the fix; k1 in the reward (reinforce_pp's preset) is the
+    estimator's proper use."""
+    from engine.config.load import load_run_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kl_type=k1.*as a loss.*kl_type=k2"):
+        load_run_config(["algorithm.kl_coef=0.1", "algorithm.kl_type=k1"])
+    assert load_run_config(["algorithm=reinforce_pp"]).config.algorithm.kl_type == "k1"
+    load_run_config(["algorithm.kl_coef=0.1", "algorithm.kl_type=k2"])
+    load_run_config(["algorithm.kl_type=k1"])  # no reference (kl_coef 0): the estimator is never used

@@ -186,8 +186,10 @@ def test_bool_and_choice_values(monkeypatch):
     assert _values(ck.complete_override("engine.fp8=")) == ["engine.fp8=false", "engine.fp8=true"]
     got = _values(ck.complete_override("algorithm.kl_type="))
     assert got[0] == "algorithm.kl_type=low_var_kl"
-    assert set(got) == {"algorithm.kl_type=k1", "algorithm.kl_type=k3", "algorithm.kl_type=low_var_kl"}
-    assert _values(ck.complete_override("algorithm.kl_type=k")) == ["algorithm.kl_type=k1", "algorithm.kl_type=k3"]
+    assert set(got) == {"algorithm.kl_type=k1", "algorithm.kl_type=k2", "algorithm.kl_type=k3",
+                        "algorithm.kl_type=low_var_kl"}
+    assert _values(ck.complete_override("algorithm.kl_type=k")) == ["algorithm.kl_type=k1", "algorithm.kl_type=k2",
+                                                                     "algorithm.kl_type=k3"]
 
 
 def test_bash_completes_the_value_after_equals(monkeypatch):

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.algorithms.advantages import grpo_advantages, token_advantages
+from engine.algorithms.advantages import grpo_advantages, token_advantages, zero_variance_groups
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): baseline = mean of the *other* n-1 samples of the prompt.
 
     A_i = r_i - (sum_j r_j - r_i) / (n - 1)  =  n/(n-1) * (r_i - mean(group)).
-    A group of one sample has advantage 0 (no other sample to compare with).
+    A group of one sample has advantage 0 (no other sample to compare with), and so has a group
+    whose rewards are all equal (exactly: not the ulp a float32 sum can leave).
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
@@ -27,7 +28,8 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         return torch.zeros_like(rewards, dtype=torch.float32)
     r = rewards.float().view(-1, group_size)
     others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - others).reshape(-1)
+    flat = zero_variance_groups(rewards, group_size)[:, None]
+    return torch.where(flat, 0.0, r - others).reshape(-1)
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,11 +43,17 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{s >= t} gamma^(s-t) r_s over each row's response tokens (0 off the mask)."""
+    """G_t = sum_{s >= t} gamma^(s-t) r_s over each row's response tokens (0 off the mask).
+
+    The sum runs over the row's *masked* tokens only, to the row's last one: in a multi-turn row
+    the environment's tokens between two model turns (mask 0) are skipped, not an end of the
+    episode, so a turn's tokens are credited with what the later turns earn (the outcome reward
+    sits on the last model token)."""
     out = torch.zeros_like(token_rewards, dtype=torch.float32)
     running = torch.zeros(token_rewards.shape[0])
+    on = mask > 0
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running * (mask[:, t + 1] if t + 1 < mask.shape[1] else 0.0)
+        running = torch.where(on[:, t], token_rewards[:, t] + gamma * running, running)
         out[:, t] = running * mask[:, t]
     return out
 
@@ -75,20 +83,24 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens.
 
-    delta_t = r_t + gamma V_{t+1} - V_t  (V past the last response token = 0)
-    A_t     = delta_t + gamma lam A_{t+1};   returns_t = A_t + V_t.
-    Returns (advantages, returns), both 0 off the mask.
+    delta_t = r_t + gamma V_next - V_t;   A_t = delta_t + gamma lam A_next;   returns_t = A_t + V_t,
+    where "next" is the row's next *masked* token (V = 0, A = 0 past its last one). In a
+    multi-turn row the environment's tokens between model turns (mask 0) are skipped: the last
+    token of a turn bootstraps from the first token of the next turn, not from an episode end
+    (as verl's compute_gae_advantage_return). Returns (advantages, returns), both 0 off the mask.
     """
     B, T = mask.shape
     m = mask.float()
     v = values.float() * m
     adv = torch.zeros(B, T)
-    last = torch.zeros(B)
+    next_v = torch.zeros(B)
+    next_adv = torch.zeros(B)
     for t in reversed(range(T)):
-        m_next = m[:, t + 1] if t + 1 < T else torch.zeros(B)
-        delta = token_rewards[:, t] + gamma * v[:, t + 1 if t + 1 < T else t] * m_next - v[:, t]
-        last = delta + gamma * lam * m_next * last
-        adv[:, t] = last * m[:, t]
+        a = token_rewards[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_adv
+        mt = m[:, t]
+        next_adv = mt * a + (1.0 - mt) * next_adv
+        next_v = mt * v[:, t] + (1.0 - mt) * next_v
+        adv[:, t] = a * mt
     return adv, (adv + v) * m
 
 
@@ -103,10 +115,14 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: i
     return -factor * (over / buffer_len).clamp(max=1.0)
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) -> torch.Tensor:
-    """[B] -> [prompts] bool: True for groups whose rewards are all equal (no learning signal)."""
-    r = rewards.float().view(-1, group_size)
-    return (r.max(dim=1).values - r.min(dim=1).values) <= eps
+def longest_turn(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B]: each row's longest run of consecutive response tokens. A single-turn row has
+    one run, its response length; a multi-turn row has one per model turn (the environment's
+    tokens between them have mask 0), each sampled under rollout.max_new_tokens on its own."""
+    on = mask > 0
+    idx = torch.arange(mask.shape[1]).expand(mask.shape[0], -1)
+    last_off = torch.cummax(torch.where(on, -1, idx), dim=1).values  # the latest position off the mask
+    return ((idx - last_off) * on).max(dim=1).values.float()
 
 
 @dataclass
@@ -125,7 +141,8 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     """The advantage step for ``cfg.name`` (an AlgorithmConfig).
 
     With ``cfg.overlong_buffer_len`` the rewards first get DAPO's soft overlong penalty
-    (responses near ``max_len`` = rollout.max_new_tokens tokens), whatever the estimator.
+    (responses near ``max_len`` = rollout.max_new_tokens tokens, the limit of one sampling call:
+    in a multi-turn row, its longest model turn), whatever the estimator.
 
     ``kl`` [B, T]: per-token KL(policy || reference) on the sampled tokens, when a reference
     exists; it enters the *reward* (REINFORCE++, PPO, and any estimator with
@@ -135,7 +152,7 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     kl_in_reward = kl is not None and cfg.kl_coef > 0 and not cfg.use_kl_loss
     metrics: dict = {}
     if cfg.overlong_buffer_len:
-        pen = overlong_penalty(mask.sum(-1), max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        pen = overlong_penalty(longest_turn(mask), max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
         rewards = rewards.float() + pen
         metrics["overlong_penalty"] = float(pen.mean())
     if kl is not None:
@@ -165,6 +182,11 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     else:
         raise ValueError(f"unknown algorithm.name {name!r}")
     adv = token_advantages(seq, mask)
-    if kl_in_reward:  # KL as a per-token penalty on top of the sequence advantage
-        adv = adv - cfg.kl_coef * kl * mask
+    if kl_in_reward:
+        # the KL as a reward: every token is credited with the penalty of the tokens it leads to
+        # (the reward-to-go sum_{s >= t} kl_s, as the returns of reinforce_pp and ppo), since
+        # choosing token t changes the KL of every later one; earlier tokens' KL does not
+        # depend on it, so it is left out (a lower-variance, same-expectation gradient than
+        # verl's whole-response KL on every token)
+        adv = adv - cfg.kl_coef * discounted_returns(kl * mask, mask, 1.0)
     return Advantages(adv, metrics=metrics)

@@ -17,13 +17,22 @@ from engine.config.schema import AlgorithmConfig
 
 
 def kl_penalty(log_p: torch.Tensor, log_ref: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimators on sampled tokens (Schulman's k1/k3).
+    """Per-token KL(pi || ref) estimators on tokens sampled from pi (Schulman, "Approximating KL
+    divergence", 2020), with d = log p - log ref:
 
-    k1 = log p - log ref;  k3 (= 'low_var_kl', clamped) = exp(ref - p) - (ref - p) - 1.
+    k1 = d (unbiased value; as a loss its expected gradient is 0: refused there, policy_loss_rules);
+    k2 = d^2 / 2 (as a loss, its expected gradient is exactly that of KL(pi || ref));
+    k3 = exp(-d) + d - 1 (unbiased value, low variance; 'low_var_kl' clamps it to [-10, 10] as verl).
+
+    d is clamped to [-20, 20] first (as verl): a padded position, whose reference log-prob is 0
+    while the policy's may be below -88, would otherwise make exp(-d) infinite, and its gradient,
+    masked afterwards, 0 x inf = NaN.
     """
-    d = log_p - log_ref
+    d = (log_p - log_ref).clamp(-20.0, 20.0)
     if kind == "k1":
         return d
+    if kind == "k2":
+        return 0.5 * d * d
     k3 = torch.exp(-d) + d - 1.0
     if kind == "low_var_kl":
         return k3.clamp(-10.0, 10.0)
@@ -42,7 +51,7 @@ def ppo_clip_token_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, adv: torch
     """Per-token -min(r A, clip(r, 1-lo, 1+hi) A) and whether the clip was active.
     ``versions_behind`` [B, T] (a ratio against weights s versions older than the trained ones):
     the bounds compound per version, (1-lo)^(s+1) .. (1+hi)^(s+1). (dual_clip caps it further.)"""
-    ratio = torch.exp(log_p - old_log_p)
+    ratio = torch.exp((log_p - old_log_p).clamp(-20.0, 20.0))  # as verl: exp stays finite on any position
     unclipped = -adv * ratio
     if versions_behind is None:
         clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)

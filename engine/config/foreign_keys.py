@@ -63,7 +63,7 @@ _V = [  # verl
     (_A + "entropy_coeff", "algorithm.entropy_coef", ""),
     (_A + "use_kl_loss", "algorithm.use_kl_loss", ""),
     (_A + "kl_loss_coef", "algorithm.kl_coef", "with algorithm.use_kl_loss=true, rl's default"),
-    (_A + "kl_loss_type", "algorithm.kl_type", "k1, k3 or low_var_kl"),
+    (_A + "kl_loss_type", "algorithm.kl_type", "k1 (verl's kl), k2 (verl's mse), k3 or low_var_kl"),
     (_A + "policy_loss.loss_mode", "algorithm.loss", "ppo_clip or gspo"),
     (_A + "fsdp_config.param_offload", "engine.param_offload", ""),
     (_A + "fsdp_config.optimizer_offload", "engine.optimizer_offload", ""),

@@ -25,6 +25,13 @@ def _default(name: str) -> float:
 
 def check_policy_loss(a: AlgorithmConfig) -> None:
     """Refuse (ConfigError, exit 2) what ``algorithm.loss`` cannot use or would ignore."""
+    if a.kl_coef > 0 and a.use_kl_loss and a.kl_type == "k1":
+        raise ConfigError(
+            "`algorithm.kl_type=k1` as a loss (`algorithm.use_kl_loss=true`) does not pull the policy towards the "
+            "reference: k1 = log pi - log ref on tokens sampled from pi has gradient grad log pi, whose expectation "
+            "is 0, so the term adds noise and no regularisation. Use `algorithm.kl_type=k2` (its gradient is that "
+            "of KL(pi || ref)) or `low_var_kl` (verl's default), or keep k1 in the reward with "
+            "`algorithm.use_kl_loss=false`.", title="invalid config")
     if a.loss == "gspo":
         if a.loss_agg_mode not in GSPO_AGG_MODES:
             preset = (f" (`algorithm={a.name}` sets it)" if a.name in ("rloo", "dr_grpo") else "")

@@ -241,7 +241,10 @@ class AlgorithmConfig:
     gspo_clip_ratio_high: float = _f(4e-4, "gspo: the sequence ratio's upper clip bound is 1 + this (the paper's 4e-4)",
                                      min=0.0)
     kl_coef: float = _f(0.0, "weight of the KL to the frozen reference policy; 0 = no reference", min=0.0)
-    kl_type: str = _f("low_var_kl", "KL estimator", choices=["k1", "k3", "low_var_kl"])
+    kl_type: str = _f("low_var_kl", "KL estimator on sampled tokens (d = log pi - log ref): k1 = d, k2 = d^2/2, "
+                                    "k3 = exp(-d) + d - 1, low_var_kl = k3 clamped to [-10, 10] (verl's); as a loss, "
+                                    "k2's gradient is that of KL(pi || ref) and k1's is 0 in expectation (refused)",
+                      choices=["k1", "k2", "k3", "low_var_kl"])
     use_kl_loss: bool = _f(True, "KL as a loss term (true) or as a per-token reward penalty (false)")
     entropy_coef: float = _f(0.0, "entropy bonus weight", min=0.0)
     ppo_epochs: int = _f(1, "passes over each rollout batch", min=1)
