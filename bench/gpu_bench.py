@@ -15,7 +15,7 @@ Per shape, each phase measured ``--steps`` times after one warm-up, medians:
                    (fp32 master weights, autocast to the compute dtype, as the engine does);
 ``rl_rollout_cuda_graphs`` -- the same rollout with rollout.cuda_graphs (engine/rollout/graphed_decode.py:
                    each decode step replayed from a CUDA graph; eager on cpu) from the same sampling
-                   noise; ``cuda_graphs_same_tokens`` says, per step, whether it sampled the same tokens.
+                   noise; ``cuda_graphs_same_tokens`` is, per step, the share of tokens both sampled alike.
 MFU = achieved FLOP/s / a matmul peak measured in this run (8192^2 on cuda, 1024^2 on cpu, in the
 compute dtype), with FLOPs = 2 x N x generated tokens (generation) and 6 x N x (prompt + response)
 tokens (training), N = matmul parameters (all parameters less the input embedding, unless tied).
@@ -191,7 +191,11 @@ def bench_shape(name: str, device: torch.device, dtype: str, steps: int, peak: f
                 gbatch = graphed.generate(model, prompts, s["n"], gen)
         groll = (pm.seconds, float(gbatch.response_mask.sum()), pm.peak_bytes)
         gen.set_state(after)
-        graphs_equal.append(bool(torch.equal(gbatch.input_ids, batch.input_ids)))
+        # the share of equal tokens, not a yes/no: the graphed step attends over the whole static
+        # cache (masked), the eager one over the filled part, so bf16 sums differ in the last bits
+        # and inverse-CDF sampling can flip a few tokens; ~1.0 is right, far below it is not
+        same = gbatch.input_ids.shape == batch.input_ids.shape
+        graphs_equal.append(float((gbatch.input_ids == batch.input_ids).float().mean()) if same else 0.0)
         rewards = torch.rand(len(batch), generator=g)
         batch.advantages = token_advantages(grpo_advantages(rewards, s["n"]), batch.response_mask)
         with PhaseMeter(device) as pm:

@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout "${GPU_CHECK_TIMEOUT:-300}" python - <<'PY'
+exec timeout "${GPU_CHECK_TIMEOUT:-300}" python3 - <<'PY'
 import copy
 import sys
 import time

@@ -27,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-exec timeout "${MEGATRON_CHECK_TIMEOUT:-420}" python - <<'PY'
+exec timeout "${MEGATRON_CHECK_TIMEOUT:-420}" python3 - <<'PY'
 import gc
 import os
 import socket

@@ -23,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-exec timeout "${GPU_CHECK_TIMEOUT:-540}" python - <<'PY'
+exec timeout "${GPU_CHECK_TIMEOUT:-540}" python3 - <<'PY'
 import json
 import sys
 import time

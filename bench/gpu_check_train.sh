@@ -47,15 +47,17 @@ one fused_head 120 train "${BASE[@]}" engine.fused_lm_head=true model.dtype=bflo
 # 135M-parameter shape at 1024-token sequences, so the fit has something to fit (GPU only: too big for the CPU smoke)
 [ "$DEV" = cuda ] && one fit 120 train "${BASE[@]}" engine.max_tokens_per_micro_batch=0 model.hidden_size=1024 \
     model.intermediate_size=2816 model.num_layers=12 model.num_attention_heads=16 model.num_key_value_heads=4 \
-    model.dtype=bfloat16 data.train_batch_size=64 rollout.max_new_tokens=1000 rollout.ignore_eos=true \
-    trainer.total_steps=2 checkpoint.dir="$WORK/fit" &
+    model.dtype=bfloat16 model.max_position_embeddings=1088 data.train_batch_size=64 rollout.max_new_tokens=1000 \
+    rollout.ignore_eos=true trainer.total_steps=2 checkpoint.dir="$WORK/fit" &
 wait
 grep -qv $'\t0\t' "$SUMMARY" && status=1
 mkdir -p "$WORK/r" && cp -r "$WORK/a/." "$WORK/r/" && rm -rf "$WORK/r/step_6"
-one resume 90 resume "$WORK/r"
+one resume 90 resume "$WORK/r" &
 # megatron's resume: its DistributedOptimizer's Adam state (the GPU default) restored, not restarted
 mkdir -p "$WORK/mgr" && cp -r "$WORK/mg/." "$WORK/mgr/" && rm -rf "$WORK/mgr/step_6"
-one megatron_resume 90 resume "$WORK/mgr"
+one megatron_resume 90 resume "$WORK/mgr" &
+wait
+grep -qv $'\t0\t' "$SUMMARY" && status=1
 
 python3 - "$WORK" <<'EOF' || status=1
 import json, sys
@@ -109,6 +111,8 @@ print("straight vs straight:", "bit-identical" if not straight else straight)
 resumed = diff("a", "r")
 print("straight vs 3 + resume:", "bit-identical" if not resumed else resumed)
 ok = not straight and not resumed
+if rows("a") and rows("r") and (straight or resumed):  # what the deterministic re-run below is for
+    (work / "resume_differs").touch()
 mg, mgr = rows("mg"), rows("mgr")
 if mg and mgr:  # steps 4-6: resumed from step_3's checkpoint against the straight run
     rel = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for a, b in zip(mg[3:], mgr[3:]) for k in KEYS
@@ -149,7 +153,7 @@ for name in ("train", "ppo", "lora", "mg", "mgbf", "fh"):
               f"peak {r[-1]['peak_mem_bytes'] / 2**20:.0f} MiB")
 sys.exit(0 if ok else 1)
 EOF
-[ "$status" = 0 ] || {
+[ -e "$WORK/resume_differs" ] && {
   # tell a kernel choice from a restore problem: the same comparison with deterministic kernels
   echo "  resume differs: again with CUBLAS_WORKSPACE_CONFIG=:4096:8 and deterministic algorithms"
   export CUBLAS_WORKSPACE_CONFIG=:4096:8 RL_DETERMINISTIC=1

@@ -27,4 +27,4 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export VLLM_LOGGING_STREAM="${VLLM_LOGGING_STREAM:-ext://sys.stderr}"
-exec timeout "${GPU_CHECK_TIMEOUT:-480}" python bench/gpu_check_vllm.py
+exec timeout "${GPU_CHECK_TIMEOUT:-480}" python3 bench/gpu_check_vllm.py

@@ -174,6 +174,74 @@ def test_host_limit_keeps_the_rest_on_device_and_reuses_buffers():
     assert st3.tensors_offloaded == 0 and st3.kept_bytes == need
 
 
+def test_a_new_micro_batch_shape_evicts_free_buffers_of_other_sizes():
+    """Micro-batch shapes vary (token budgets, buckets): when the first shape's buffers fill the
+    host limit, the next shape's tensors still go to host (free buffers of other sizes evicted),
+    instead of all of them staying on the device for the rest of the run."""
+    model = _tiny_hf()
+    full = ActivationOffloader(copy.deepcopy(model), ["model.layers.*"], 1 << 30).attach()
+    _grads(full.model, _ids(t=12))
+    need = full.end_micro_batch().host_bytes
+    off = ActivationOffloader(model, ["model.layers.*"], need).attach()
+    _grads(model, _ids(t=12))
+    assert off.end_micro_batch().tensors_kept == 0 and off.pool.allocated == need
+    for p in model.parameters():
+        p.grad = None
+    want = _grads(copy.deepcopy(_tiny_hf()), _ids(t=11))
+    got = _grads(model, _ids(t=11))   # every tensor a size the pool has no free buffer of
+    st = off.end_micro_batch()
+    assert st.tensors_kept == 0 and st.tensors_offloaded > 0 and off.pool.allocated <= need
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_restored_tensors_keep_the_layout_forward_saved():
+    """A transposed activation comes back transposed (same strides), not made contiguous: backward
+    kernels choose by layout, and a copy would only cost time."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.inner(x).transpose(0, 1)   # [6, 4] view of a [4, 6] tensor
+            return (h.sin() * h).sum()
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(4, 6)
+    off = ActivationOffloader(model, ["net"], 1 << 30).attach()
+    packed, unpacked = [], []
+    pack, unpack = off._pack, off._unpack
+    off._pack = lambda t: (packed.append((tuple(t.shape), t.stride())), pack(t))[1]
+    off._unpack = lambda s: (lambda t: (unpacked.append((tuple(t.shape), t.stride())), t)[1])(unpack(s))
+    model(x).backward()
+    off.end_micro_batch()
+    transposed = ((6, 4), (1, 6))
+    assert transposed in packed and transposed in unpacked
+    assert set(unpacked) <= set(packed)
+
+
+def test_a_module_matched_alone_still_prefetches_within_itself():
+    """Megatron's whole decoder under full recompute is one matched module: with no module before
+    it, backward's prefetch reads its tensors one ahead, in the reverse of the order they were saved."""
+    model = _tiny_hf()
+    base = copy.deepcopy(model)
+    ids = _ids()
+    want = _grads(base, ids)
+    off = ActivationOffloader(model, ["model"], 1 << 30).attach()
+    got = _grads(model, ids)
+    st = off.end_micro_batch()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert st.prefetched > st.tensors_offloaded // 2 and st.prefetched + st.fetched_on_demand == st.tensors_offloaded
+
+
 def test_patterns_match_outermost_modules_only_and_no_match_is_a_config_error():
     model = _tiny_hf()
     names = [n for n, _ in matching_modules(model, ["model.layers.*", "model.layers.*.mlp"])]

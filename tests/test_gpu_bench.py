@@ -60,7 +60,7 @@ def test_gpu_bench_tiny_cpu_json(tmp_path):
                         / s["phases"]["hf_train"]["tokens_per_s"], rel_tol=1e-9)
     assert len(s["step_split_s"]) == 1
     # the cuda_graphs rollout (eager here) samples the plain rollout's tokens from the same noise
-    assert s["cuda_graphs_same_tokens"] == [True, True]  # the warm-up step and the measured one
+    assert s["cuda_graphs_same_tokens"] == [1.0, 1.0]  # the warm-up step and the measured one: every token
     assert s["phases"]["rl_rollout_cuda_graphs"]["tokens"] == s["phases"]["rl_rollout"]["tokens"]
 
 

@@ -13,7 +13,9 @@ active for it: ``pack`` copies each saved activation into a host buffer (pinned,
 reused across micro-batches and steps) on a side CUDA stream and records an event; ``unpack``
 waits for the matching prefetch, or copies back on the spot. When a module's backward starts
 (a full backward pre-hook), the saved tensors of the module that ran just before it in forward
-are copied back on the side stream, so the next module's backward finds them ready; events
+are copied back on the side stream, so the next module's backward finds them ready (and within
+a module, unpacking a tensor prefetches the one saved before it: a module matched alone, such as
+megatron's whole decoder under full recompute, has no module before it); events
 make sure compute never reads a copy in flight and the caching allocator never reuses a
 source that is still being copied (``record_stream``).
 A tensor several ops save (a layer's normed input, read by the q, k and v projections, or by the
@@ -84,12 +86,28 @@ def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill exactly numel consecutive slots in some order (a permutation of a
+    contiguous layout): a buffer of numel elements can hold it with the same strides."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
 class _HostPool:
-    """Host buffers by (dtype, numel), reused; never more than ``limit`` bytes allocated."""
+    """Host buffers by (dtype, numel), reused; never more than ``limit`` bytes allocated. A buffer
+    of a new size that would pass the limit first evicts free buffers of other sizes (micro-batch
+    shapes vary: without it, the first shapes' buffers would fill the limit for good and every
+    later shape would stay on the device). An evicted pinned buffer goes back to torch's caching
+    host allocator, which keeps it until the copies recorded on it are done."""
 
     def __init__(self, limit: int, pin: bool):
         self.limit, self.pin = limit, pin
@@ -104,11 +122,26 @@ class _HostPool:
         else:
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             if self.allocated + nbytes > self.limit:
-                return None
+                self._evict(self.allocated + nbytes - self.limit)
+                if self.allocated + nbytes > self.limit:
+                    return None
             buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
             self.allocated += nbytes
         self._used.append(buf)
         return buf
+
+    def _evict(self, nbytes: int) -> None:
+        """Drop free buffers, largest first, until ``nbytes`` are freed or none is left."""
+        free = sorted(((b.numel() * b.element_size(), key) for key, bufs in self._free.items() for b in bufs),
+                      key=lambda x: -x[0])
+        for size, key in free:
+            if nbytes <= 0:
+                break
+            self._free[key].pop()
+            if not self._free[key]:
+                del self._free[key]
+            self.allocated -= size
+            nbytes -= size
 
     def release_all(self) -> None:
         for buf in self._used:
@@ -120,7 +153,8 @@ class _Saved:
     """One offloaded tensor: its host copy, how to rebuild it, its prefetched device copy, and how
     many saved-tensor slots still read it (the same tensor saved by several ops is copied once)."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "requires_grad", "copied", "prefetched", "ready", "readers")
+    __slots__ = ("host", "shape", "dtype", "device", "requires_grad", "copied", "prefetched", "ready", "readers",
+                 "before")
 
     def __init__(self, host, t: torch.Tensor, copied):
         self.host, self.shape, self.dtype, self.device = host, t.shape, t.dtype, t.device
@@ -129,6 +163,7 @@ class _Saved:
         self.prefetched = None        # device tensor, once fetched, until its last reader takes it
         self.ready = None             # CUDA event: prefetch finished
         self.readers = 1              # packs of this tensor not yet unpacked
+        self.before = None            # the tensor its module offloaded just before it, if any
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -214,7 +249,9 @@ class ActivationOffloader:
             if self.meter is not None:
                 self.meter.add(t)
             return t
-        host = host.view(t.shape) if t.dim() else host.view(())
+        # the host copy keeps the tensor's layout (a transposed view stays one), so backward gets
+        # back what forward saved, strides included (kernels choose by layout)
+        host = host.as_strided(t.shape, t.stride()) if _dense(t) else host.view(t.shape)
         copied = None
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -227,7 +264,9 @@ class ActivationOffloader:
             host.copy_(t)
         saved = _Saved(host, t, copied)
         self._copies[key] = (weakref.ref(t), saved)  # a dead ref: the address may hold another tensor now
-        self._saved[self._current[-1]].append(saved)
+        mine = self._saved[self._current[-1]]
+        saved.before = mine[-1] if mine else None
+        mine.append(saved)
         s = self.stats
         s.host_bytes += nbytes
         s.tensors_offloaded += 1
@@ -252,6 +291,10 @@ class ActivationOffloader:
             self.stats.fetched_on_demand += 1
             self._fetch(saved)
         t = saved.prefetched
+        prev = saved.before  # backward reads a module's tensors in about the reverse order of forward:
+        if prev is not None and prev.prefetched is None and prev.readers > 0:  # one ahead, within the module
+            self._fetch(prev)  # (a module matched alone, as megatron's whole decoder under recompute, has
+            self.stats.prefetched += 1  # no module before it to prefetch from)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(saved.ready)
             t.record_stream(torch.cuda.current_stream(self.device))

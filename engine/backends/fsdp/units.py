@@ -74,6 +74,13 @@ def compile_decoder_blocks(model: torch.nn.Module) -> int:
     weights. Compiling the root forward instead bypassed the root's hooks and handed the blocks
     sharded weights (a DTensor/tensor mix dynamo refused). One compiled graph serves every block
     of a model (their code is the same; parameters are inputs). Returns how many were compiled."""
+    import torch._dynamo.config as dynamo_config
+
+    # dynamic=False: each (rows, length) a micro-batch has, in each grad mode, is its own graph
+    # (pad_to_length bounds how many); dynamo's default of 8 graphs per frame would then run every
+    # further shape eagerly for the rest of the run, with one log line
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
     blocks = decoder_blocks(model)
     for block in blocks:
         block._rl_eager_forward = block.forward
