@@ -17,8 +17,19 @@ from typing import Iterator
 TERMINATED_EXIT = 128 + signal.SIGTERM  # 143, the shell's code for a process ended by SIGTERM
 
 
+_received = threading.Event()
+
+
 def _on_sigterm(signum, frame):
+    _received.set()
     raise SystemExit(TERMINATED_EXIT)
+
+
+def received() -> bool:
+    """Whether a SIGTERM has arrived inside ``sigterm_as_exit`` in this process: the stop under way
+    is a kill, and whatever else the kill reached (with the run's whole process group, the private
+    Ray's own processes) may be going down too."""
+    return _received.is_set()
 
 
 @contextmanager

@@ -248,11 +248,15 @@ def test_held_out_set_smaller_than_the_ranks_validates(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
+@pytest.mark.parametrize("to", ["driver", "group"])
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path, to):
     """`kill PID` (or `timeout`, a job scheduler) during a run: Ray's handler printed a stack dump
     ("*** SIGTERM received ... PC: @ ...") and the process exited 15 at once. Now the workers and
     Ray are stopped as on Ctrl-C, the message names the checkpoint to resume, and the exit code is
-    143; nothing of the run's process group is left, and the run resumes."""
+    143; nothing of the run's process group is left, and the run resumes. ``group``: the signal to
+    the whole process group (systemd, a scheduler, `kill -- -PGID`), which reaches the private
+    Ray's raylet and GCS too: the driver waited forever to remove the placement group from a
+    raylet going down (or Ray's core worker ended it with exit 1 once its GCS was gone)."""
     import os
     import signal
     import subprocess
@@ -270,7 +274,7 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
         while not (d / "step_1" / "manifest.json").exists():
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
             time.sleep(0.01)
-        os.kill(p.pid, signal.SIGTERM)
+        (os.kill if to == "driver" else os.killpg)(p.pid, signal.SIGTERM)
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.sigterm import sigterm_as_exit
+from engine.sigterm import TERMINATED_EXIT, sigterm_as_exit
 
 LOCAL_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -154,6 +155,30 @@ def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
     started, reaper = False, None
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # worker lines to a pipe or log: no ANSI colours
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    try:
+        with sigterm_as_exit():  # (ray.init puts in its own handler, which exits 15, until it returns)
+            started, reaper = _start(ray, target, num_cpus, connect_timeout_s)
+    except SystemExit as e:  # SIGTERM while Ray starts: Ray's own handler exits 15; the same stop as later
+        if e.code not in (signal.SIGTERM, TERMINATED_EXIT):
+            raise
+        if ray.is_initialized():
+            ray.shutdown()
+        raise SystemExit(TERMINATED_EXIT) from None
+    try:
+        with sigterm_as_exit():  # a kill stops workers and Ray as Ctrl-C does (not Ray's stack dump)
+            yield ray, target
+    finally:
+        if started:
+            if target.local:
+                _end_autoscaler_monitor(ray)
+            ray.shutdown()
+        if reaper is not None:
+            reaper.release()
+
+
+def _start(ray, target, num_cpus: int, connect_timeout_s: float):
+    """Start (local) or join Ray unless this process already has; returns (started, reaper)."""
+    started, reaper = False, None
     if not ray.is_initialized():
         kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True, configure_logging=True)
         if target.local:
@@ -193,16 +218,25 @@ def ray_cluster(address: str, num_cpus: int, connect_timeout_s: float = 60.0):
                                 f"leave trainer.ray_address empty (and RAY_ADDRESS unset) for a local run.",
                                 title="ray cluster") from None
         started = True
-    try:
-        with sigterm_as_exit():  # a kill stops workers and Ray as Ctrl-C does (not Ray's stack dump)
-            yield ray, target
-    finally:
-        if started:
-            if target.local:
-                _end_autoscaler_monitor(ray)
-            ray.shutdown()
-        if reaper is not None:
-            reaper.release()
+    return started, reaper
+
+
+def _local_raylets(ray) -> list:
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    return [i for i in (getattr(node, "all_processes", None) or {}).get("raylet", [])
+            if getattr(i, "process", None) is not None]
+
+
+def owns_local_ray(ray) -> bool:
+    """Whether this process started the Ray it is connected to (the private local Ray, which
+    ``ray.shutdown()`` ends whole), not joined a cluster."""
+    return bool(_local_raylets(ray))
+
+
+def local_raylet_gone(ray) -> bool:
+    """Whether this process started a private Ray whose raylet has exited: then no Ray call will
+    get an answer."""
+    return any(i.process.poll() is not None for i in _local_raylets(ray))
 
 
 def _end_autoscaler_monitor(ray) -> None:

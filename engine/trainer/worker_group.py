@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from engine.config.schema import RunConfig
 from engine.errors import UserError
 from engine.memory.oom import OutOfMemory, cgroup_oom_kills, killed_for_memory, oom_test_env
 from engine.threads import omp_spin_count, rank_env, usable_cpus
-from engine.trainer.ray_cluster import get, timeout_error
+from engine.trainer.ray_cluster import get, local_raylet_gone, owns_local_ray, timeout_error
 from engine.trainer.worker import RankWorker
 
 if TYPE_CHECKING:
@@ -436,20 +437,38 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        from engine import sigterm
+
         if self._closed:
             return
         self._closed = True
-        if graceful:  # a busy rank (waiting in a collective for a peer that failed) would hold this for 30 s
+        if sigterm.received() and owns_local_ray(ray):
+            # killed, and the Ray is this run's own: ray.shutdown() next ends it whole, ranks
+            # included. With the run's whole process group signalled (a scheduler, systemd,
+            # `kill -- -PGID`) its raylet and GCS are going down too: removing the placement group
+            # would wait for an answer that never comes, and Ray's core worker ends the driver
+            # with exit 1 a few seconds after its GCS is gone, before the stop is reported
+            return
+        if graceful and not local_raylet_gone(ray):  # a busy rank (waiting in a collective for a peer that failed) would hold this for 30 s
             try:
                 get([a.shutdown.remote() for i, a in enumerate(self.actors) if i not in self.busy], 30, "shutdown")
             except Exception:
                 pass
-        for a in self.actors:
+        def release() -> None:
+            for a in self.actors:
+                try:
+                    ray.kill(a)
+                except Exception:
+                    pass
             try:
-                ray.kill(a)
+                remove_placement_group(self.pg)
             except Exception:
                 pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:
-            pass
+
+        # bounded: a raylet going down (its host's, a joined cluster's) never answers; what is
+        # left of a private Ray, ray.shutdown() ends after this
+        done = threading.Thread(target=release, name="rl-release-ranks", daemon=True)
+        done.start()
+        deadline = time.monotonic() + 15.0
+        while done.is_alive() and time.monotonic() < deadline and not local_raylet_gone(ray):
+            done.join(0.1)
