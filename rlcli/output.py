@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
 from rich.console import Console
@@ -91,14 +92,34 @@ def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     raise typer.Exit(exit_code)
 
 
+_OWN_INTERRUPTS = [0]  # > 0: a caller reports Ctrl-C itself (a run: where to resume from)
+
+
+@contextmanager
+def interrupts_reported_by_caller():
+    """Within the block, call_engine lets KeyboardInterrupt through to a caller that says more."""
+    _OWN_INTERRUPTS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_INTERRUPTS[0] -= 1
+
+
 def call_engine(fn: Callable[..., T], *args, **kwargs) -> T:
-    """Run an engine entry point, turning its UserError into a clean exit 2."""
+    """Run an engine entry point, turning its UserError into a clean exit 2 (and Ctrl-C into exit
+    130 with one line, or one JSON document under --json)."""
     from engine.errors import UserError
 
     try:
         return fn(*args, **kwargs)
     except UserError as e:
         fail(e.message, title=e.title, exit_code=e.exit_code)
+        raise  # unreachable
+    except KeyboardInterrupt:
+        if _OWN_INTERRUPTS[0]:
+            raise
+        fail("stopped by Ctrl-C before the command finished; run it again for its result.", title="interrupted",
+             exit_code=130)
         raise  # unreachable
     except OSError as e:  # the last net: a path the OS refused (one no check foresaw) is never a traceback
         if not e.filename:  # not about a path (a socket, a timeout, a broken pipe): not the user's input

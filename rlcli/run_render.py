@@ -9,7 +9,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from rlcli.output import call_engine, print_json, print_json_error, stderr_console, stdout_console
+from rlcli.output import (call_engine, interrupts_reported_by_caller, print_json, print_json_error, stderr_console,
+                          stdout_console)
 
 
 def render_config(loaded, json_out: bool, report=None) -> None:
@@ -106,19 +107,24 @@ def run_and_render(cfg, *, overrides, changed, json_out: bool, resume=None, env_
 
             out.print(f"[yellow]note[/]: {escape(redact(e.text))}")
 
-    # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130
+    # Ctrl-C: let the trainer's finally-blocks stop the workers and Ray, then exit 130; SIGTERM
+    # the same from here on (before Ray starts too: the ML stack's imports take seconds)
+    from engine.sigterm import sigterm_as_exit
+
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        try:
-            def run():
-                with stdout_to_stderr(json_out):  # restored before call_engine prints an error's JSON
-                    return train(cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
-                                 on_event=on_event, resume=resume, env_refs=env_refs)
+        with sigterm_as_exit():
+            try:
+                def run():
+                    with stdout_to_stderr(json_out):  # restored before call_engine prints an error's JSON
+                        return train(cfg, Path(cfg.checkpoint.dir), overrides=overrides, changed=changed,
+                                     on_event=on_event, resume=resume, env_refs=env_refs)
 
-            summary = call_engine(run)
-        finally:
-            bar.close()
-            phases.close()
+                with interrupts_reported_by_caller():
+                    summary = call_engine(run)
+            finally:
+                bar.close()
+                phases.close()
     except SystemExit as e:  # SIGTERM during the run (engine/trainer/ray_cluster.py): stopped like Ctrl-C
         from engine.sigterm import TERMINATED_EXIT
 

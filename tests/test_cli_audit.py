@@ -443,3 +443,28 @@ def test_lora_targets_that_name_no_linear_layer_are_refused_before_the_run(tmp_p
     assert cli(*base, "model.lora.target_modules=[self_attn.q_proj,v_proj]").exit_code == 0  # peft's dotted suffix
     r = cli(*base, "model.lora.alpha=0")
     assert r.exit_code == 2 and "`model.lora.alpha` must be > 0.0" in flat(r.stderr), r.output
+
+
+def test_ctrl_c_in_any_command_is_exit_130_with_one_line_or_one_json_document(capsys):
+    """`rl export` / `rl eval` stopped by Ctrl-C printed nothing (under --json, stdout stayed empty,
+    though every other exit prints one JSON document); `rl train` says more itself (where to resume)."""
+    import typer
+
+    from rlcli.output import call_engine, interrupts_reported_by_caller, json_errors
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    json_errors(True)
+    try:
+        with pytest.raises(typer.Exit) as e:
+            call_engine(stopped)
+    finally:
+        json_errors(False)
+    assert e.value.exit_code == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"] == {"title": "interrupted", "exit_code": 130,
+                                        "message": json.loads(out)["error"]["message"]}
+    assert "Ctrl-C" in err
+    with interrupts_reported_by_caller(), pytest.raises(KeyboardInterrupt):
+        call_engine(stopped)

@@ -60,7 +60,8 @@ def register(app: typer.Typer) -> None:
             rich_help_panel="Output")] = False,
     ) -> None:
         """Memory per phase and category: estimate beside measured, offload what-if, FP8 workspaces, fixes."""
-        from rlcli.output import call_engine, fail, json_errors, print_json, stderr_console, stdout_console
+        from rlcli.output import (call_engine, fail, interrupts_reported_by_caller, json_errors, print_json,
+                                  stderr_console, stdout_console)
         from rlcli.render.mem_report import render_report
 
         from engine.memory import measure
@@ -92,7 +93,8 @@ def register(app: typer.Typer) -> None:
             try:
                 from engine.trainer.memory_run import measure_default
 
-                rep = call_engine(measure_default, args, engine=engine, device_memory=device_memory)
+                with interrupts_reported_by_caller():
+                    rep = call_engine(measure_default, args, engine=engine, device_memory=device_memory)
             except KeyboardInterrupt:
                 err_console.print("[red]interrupted[/]: the step's workers and Ray were stopped; nothing was kept.")
                 raise typer.Exit(130)
