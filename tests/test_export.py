@@ -336,3 +336,44 @@ def test_out_in_the_steps_export_dir_or_outside_the_run_passes_the_checks(tmp_pa
     step = _fake_run(tmp_path)
     for out in (step / "hf", step / "hf-adapter", tmp_path / "policy", step.parent / "exports" / "policy"):
         check_target(out, False, step)
+
+
+@pytest.mark.parametrize("where", ["other_run", "other_runs_step", "holds_runs", "cwd", "above_cwd"])
+def test_overwrite_never_replaces_another_run_a_checkpoint_or_the_working_directory(tmp_path, monkeypatch, where):
+    """`rl export run1 --out run2 --overwrite` deleted run2 (its config, metrics and every
+    checkpoint) for an HF directory; `--out run3/step_3` replaced run3's latest checkpoint, and
+    `--out ..` what lay above the working directory. Refused, nothing on disk changes; another run's
+    export directory (step_N/hf) and a plain directory stay replaceable."""
+    from engine.export.staging import check_target
+    from tests.ckpt_tools import tree_state
+
+    step = _fake_run(tmp_path / "src")
+    other = _fake_run(tmp_path / "other").parent
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "mine.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    out, needle = {"other_run": (other, "is an rl run"), "other_runs_step": (other / "step_2", "the checkpoint"),
+                   "holds_runs": (tmp_path / "other", "holds rl runs"), "cwd": (work, "the working directory"),
+                   "above_cwd": (work.parent, "above the working directory")}[where]
+    before = tree_state(tmp_path)
+    r = _export_cli(monkeypatch, step, "--out", str(out), "--overwrite", "--json")
+    assert r.exit_code == 2, r.output
+    assert needle in _text(r.stderr), r.stderr
+    assert tree_state(tmp_path) == before
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "old.bin").write_text("an old export")
+    for ok in (other / "step_2" / "hf", plain):
+        check_target(ok, True, step)
+
+
+@pytest.mark.parametrize("size", ["-1GB", "0", "-5", "0.5B", "2 parsecs"])
+def test_max_shard_size_must_be_a_size_above_zero(size):
+    """huggingface_hub takes a negative size and writes one tensor per shard."""
+    from engine.errors import UserError
+    from engine.export.run import _check_shard_size
+
+    with pytest.raises(UserError, match="not a size above zero"):
+        _check_shard_size(size)
+    _check_shard_size("100KB")

@@ -157,6 +157,17 @@ def is_run_dir(path: Path) -> bool:
     return (path / RUN_FILE).is_file() or bool(list_steps(path))
 
 
+def checkpoint_holding(path: Path) -> Path | None:
+    """The saved checkpoint (a step_N, or an unfinished .tmp-step_N, of a run) that ``path`` is or
+    lies inside, if any."""
+    p = Path(os.path.abspath(path))
+    for d in (p, *p.parents):
+        if (STEP_RE.match(d.name) or TMP_STEP_RE.match(d.name)) and \
+                ((d / MANIFEST).exists() or (d.parent / RUN_FILE).exists()):
+            return d
+    return None
+
+
 def manifest_file_problems(step_dir: Path, manifest: dict) -> list[str]:
     """Every file the manifest lists must exist with its recorded size; what does not."""
     files = manifest.get("files")

@@ -30,13 +30,15 @@ def _dtype(name: str | None, cfg_dtype: str) -> str:
 
 
 def _check_shard_size(size) -> None:
-    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization._base import parse_size_to_int
 
     try:
-        split_torch_state_dict_into_shards({"x": torch.empty(1, device="meta")}, max_shard_size=size)
+        n = parse_size_to_int(size) if isinstance(size, str) else int(size)
     except (ValueError, TypeError):
-        raise UserError(f"--max-shard-size {size!r} is not a size; write it like 5GB, 500MB or 2GiB.",
-                        title="invalid option") from None
+        n = None
+    if n is None or n <= 0:  # huggingface_hub takes a negative size and writes one tensor per shard
+        raise UserError(f"--max-shard-size {size!r} is not a size above zero; write it like 5GB, 500MB or 100KB (decimal units: TB, GB, MB, KB).",
+                        title="invalid option")
 
 
 def export_checkpoint(path, out=None, dtype: str | None = None, overwrite: bool = False, adapter: bool = False,

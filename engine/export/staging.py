@@ -26,7 +26,10 @@ def check_target(out: Path, overwrite: bool, source_step_dir: Path | None = None
     if source_step_dir is not None:
         check_not_in_checkpoint(Path(out), Path(source_step_dir))
     st = check_output_dir(out, "--out")
-    if st is None or overwrite:
+    if st is None:
+        return
+    if overwrite:
+        check_replaceable(Path(out))
         return
     try:
         non_empty = any(Path(out).iterdir())
@@ -37,6 +40,40 @@ def check_target(out: Path, overwrite: bool, source_step_dir: Path | None = None
         raise UserError(f"--out {shown(out)} already exists and is not empty. Pass --overwrite to replace it (the "
                         f"old directory is removed only after the new one is complete), or choose another --out.",
                         title="output exists")
+
+
+def check_replaceable(out: Path) -> None:
+    """What --overwrite may replace: not an rl run (another run's checkpoints and metrics would go
+    with it), not a directory holding runs one level down, not a checkpoint (a step_N of any run,
+    other than its own export directories), and not the working directory or one above it."""
+    from engine.checkpoint.layout import EXPORT_DIRS, checkpoint_holding, is_run_dir
+    from engine.user_paths import shown
+
+    o = Path(os.path.realpath(out))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    fix = "Choose another --out (a new directory, or one an earlier export wrote)."
+    if o == cwd or o in cwd.parents or o == Path.home().resolve():
+        what = "the working directory" if o == cwd else ("your home directory" if o == Path.home().resolve()
+                                                          else "a directory above the working directory")
+        raise UserError(f"--out {shown(out)} is {what}: --overwrite would delete everything in it. {fix}",
+                        title="output would replace your files")
+    step = checkpoint_holding(o)
+    if step is not None and not (o.parent == step and o.name in EXPORT_DIRS):
+        raise UserError(f"--out {shown(out)} is {'' if o == step else 'inside '}the checkpoint {step} of the run in "
+                        f"{step.parent}/: --overwrite would delete saved training state. {fix}",
+                        title="output would replace a checkpoint")
+    runs = [o] if is_run_dir(o) else [d for d in _subdirs(o) if is_run_dir(d)]
+    if runs:
+        held = "is an rl run" if runs == [o] else f"holds rl runs ({', '.join(d.name for d in runs[:3])})"
+        raise UserError(f"--out {shown(out)} {held}: --overwrite would delete its checkpoints and metrics. {fix}",
+                        title="output would replace a run")
+
+
+def _subdirs(d: Path) -> list[Path]:
+    try:
+        return [p for p in d.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
 
 
 def check_not_in_checkpoint(out: Path, step_dir: Path) -> None:

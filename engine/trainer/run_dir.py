@@ -54,16 +54,11 @@ class RunDir:
         self.rows = None          # engine.checkpoint.carried_rows.RowCarrier, set when the loop starts
 
     def checkpoint_holding_it(self) -> Path | None:
-        """The saved checkpoint (a step_N, or an unfinished .tmp-step_N, of a run) that this path
-        is or lies inside, if any: a new run there would add files to that checkpoint."""
-        from engine.checkpoint.layout import MANIFEST, RUN_FILE, STEP_RE, TMP_STEP_RE
+        """The saved checkpoint this path is or lies inside, if any: a new run there would add
+        files to that checkpoint (engine.checkpoint.layout.checkpoint_holding)."""
+        from engine.checkpoint.layout import checkpoint_holding
 
-        p = Path(os.path.abspath(self.path))
-        for d in (p, *p.parents):
-            if (STEP_RE.match(d.name) or TMP_STEP_RE.match(d.name)) and \
-                    ((d / MANIFEST).exists() or (d.parent / RUN_FILE).exists()):
-                return d
-        return None
+        return checkpoint_holding(self.path)
 
     def existing_run_problem(self, overwrite: bool) -> tuple[str, str]:
         """(why a new run cannot start here, or ""; a note on what starting here will do, or "")."""
