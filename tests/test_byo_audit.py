@@ -150,8 +150,23 @@ def _set_config(**kw):
     return edit
 
 
+def _negative_shape(d):
+    """Rewrite the header with the first tensor's shape [-1, ...] (the data left as it is)."""
+    import struct
+
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["shape"] = [-1] + header[first]["shape"][1:]
+    h = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+
+
 @pytest.mark.parametrize("case,edit,match", [
     ("truncated", _truncate, r"model.safetensors is cut short: \d+ bytes of the \d+ its header describes"),
+    ("bad_header", _negative_shape, r"model.safetensors has a broken header: tensor '.*' has shape \[-1"),
     ("empty", lambda d: (d / "model.safetensors").write_bytes(b""), r"model.safetensors is 0 bytes"),
     ("no_weights", lambda d: (d / "model.safetensors").unlink(), r"has no weights"),
     ("index", lambda d: (d / "model.safetensors.index.json").write_text(
@@ -161,8 +176,8 @@ def _set_config(**kw):
      r"model_type='bert', an encoder.*is_decoder=true"),
 ])
 def test_model_dir_that_cannot_load_is_refused_on_the_driver(tmp_path, llama_dir, case, edit, match):
-    """A truncated/empty safetensors file or a missing shard was a SafetensorError/OSError traceback
-    from inside a rank; a BERT config (a causal-LM head in transformers' mapping) reached the
+    """A truncated/empty safetensors file, one whose header is malformed (`--dry-run` said ok) or a
+    missing shard was a SafetensorError/OSError traceback from inside a rank; a BERT config (a causal-LM head in transformers' mapping) reached the
     sampler and failed there with an AttributeError."""
     from engine.model.source import check_architecture
 

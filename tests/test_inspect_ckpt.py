@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -255,6 +256,31 @@ def test_safetensors_single_and_sharded(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match="missing"):
         inspect_path(d)
+
+
+@pytest.mark.parametrize("entry,needle", [
+    ({"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}, "has shape 'x'"),
+    ({"dtype": "F32", "shape": [None], "data_offsets": [0, 4]}, "has shape [None]"),
+    ({"dtype": "F32", "shape": [-1, 1], "data_offsets": [0, 4]}, "has shape [-1, 1]"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}, "has data_offsets [4, 0]"),
+    ({"dtype": "F32", "shape": [10 ** 19], "data_offsets": [0, 4]}, "holds 4 bytes for a F32 tensor"),
+    ({"dtype": 7, "shape": [1], "data_offsets": [0, 4]}, "has dtype 7"),
+    ("nothing", "is not a JSON object"),
+])
+def test_a_safetensors_header_entry_that_cannot_be_a_tensor_is_a_corrupt_file(tmp_path, entry, needle):
+    """A shape of 'x' raised int('x') in `rl inspect-ckpt` (a traceback, exit 1); a negative shape
+    was reported as -16 bytes, a 10**19-element tensor over 4 bytes of data as fine."""
+    import json
+    import struct
+
+    h = json.dumps({"w": entry}).encode()
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 4)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        inspect_path(f)
+    h = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    f.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 4)
+    assert [(x.name, x.shape) for x in inspect_path(f).tensors] == [("w", (2,))]
 
 
 # ----------------------------------------------------------------------------------------

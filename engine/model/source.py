@@ -169,10 +169,14 @@ def _safetensors_problem(f: Path) -> str:
         return "has a header that is not valid JSON"
     if not isinstance(header, dict):
         return "has a header that is not a JSON object"
-    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
-    want = 8 + n + max(ends, default=0)
+    from engine.checkpoint.io.safetensors import entry_problem
+
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in tensors.items():
+        problem = entry_problem(entry)
+        if problem:
+            return f"has a broken header: tensor {name!r} {problem}"
+    want = 8 + n + max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if size < want:
         return f"is cut short: {size} bytes of the {want} its header describes"
     return ""
