@@ -384,8 +384,11 @@ class TrainEngine(ABC):
 
     # ---- checkpoints --------------------------------------------------------------------
     @abstractmethod
-    def checkpoint_state(self) -> dict:
-        """DCP-saveable state: {"model": ..., "optim": ...} (sharded tensors/DTensors)."""
+    def checkpoint_state(self, for_save: bool = False) -> dict:
+        """DCP-saveable state: {"model": ..., "optim": ...} (sharded tensors/DTensors). As the
+        template a checkpoint loads into (``for_save`` false), a fresh optimizer has entries for
+        every parameter; for a save (``for_save``), an optimizer that has not stepped yet has none
+        and keeps none (engine/checkpoint/fresh_optimizer.py)."""
 
     @abstractmethod
     def load_checkpoint_state(self, state: dict) -> None:

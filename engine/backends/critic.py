@@ -39,8 +39,9 @@ class Critic(ABC):
         """Parameters of the value model (all of them, over every shard)."""
 
     @abstractmethod
-    def checkpoint_state(self) -> dict:
-        """DCP-saveable {"model", "optim"} (inside the engine's state, under "critic")."""
+    def checkpoint_state(self, for_save: bool = False) -> dict:
+        """DCP-saveable {"model", "optim"} (inside the engine's state, under "critic"); ``for_save``
+        as TrainEngine.checkpoint_state."""
 
     @abstractmethod
     def load_checkpoint_state(self, state: dict) -> None:

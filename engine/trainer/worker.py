@@ -426,7 +426,7 @@ class RankWorker:
         from engine.checkpoint.save import rng_state, save_rank_state
 
         with oom_guard("save_checkpoint", self.rank, step, self.device):
-            files = save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(), self.rank,
+            files = save_rank_state(Path(run_dir), step, self.engine.checkpoint_state(for_save=True), self.rank,
                                     rng_state(self.generator))
         return {"lr_scheduler": self.engine.lr_scheduler.state_dict(), "files": files}
 

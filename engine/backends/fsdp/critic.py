@@ -85,12 +85,15 @@ class FSDPCritic(Critic):
         return self.model(batch.input_ids.to(self.engine.device), batch.attention_mask.to(self.engine.device))
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, for_save: bool = False) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
-        return {"model": model_sd, "optim": optim_sd}
+        from engine.checkpoint.fresh_optimizer import keep_fresh
+
+        with keep_fresh(self.optimizer, for_save) as drop:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                                options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": model_sd, "optim": drop(optim_sd)}
 
     def load_checkpoint_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

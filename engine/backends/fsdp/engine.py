@@ -439,16 +439,19 @@ class FSDPEngine(TrainEngine):
         return combine_reports(*reports)
 
     # ---- checkpoints --------------------------------------------------------------------
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, for_save: bool = False) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        from engine.checkpoint.fresh_optimizer import keep_fresh
+
+        with keep_fresh(self.optimizer, for_save) as drop:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                                options=StateDictOptions(flatten_optimizer_state_dict=True))
         if self.lora_reference is not None:  # adapters only; the manifest names the base model and its hash
             model_sd = {k: v for k, v in model_sd.items() if "lora_" in k}
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": drop(optim_sd)}
         if self.critic is not None:
-            state["critic"] = self.critic.checkpoint_state()
+            state["critic"] = self.critic.checkpoint_state(for_save)
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:

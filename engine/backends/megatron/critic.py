@@ -171,8 +171,8 @@ class MegatronCritic(Critic):
         return values_per_token(out.squeeze(-1))
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
-    def checkpoint_state(self) -> dict:
-        return self.sharded.checkpoint_state(self.opt)
+    def checkpoint_state(self, for_save: bool = False) -> dict:
+        return self.sharded.checkpoint_state(self.opt, for_save)
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.sharded.load_checkpoint_state(self.opt, state)

@@ -436,13 +436,13 @@ class MegatronEngine(TrainEngine):
         return mine + (self.critic.optimizer_objects() if self.critic is not None else [])
 
     # ---- checkpoints --------------------------------------------------------------------
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, for_save: bool = False) -> dict:
         """{"model": {hf name: full fp32 tensor}, "optim": flattened AdamW state by hf name}, and
         the critic's under "critic" (algorithm=ppo). Collective over all ranks (TP gathers; DP
         gathers under DistributedOptimizer). Layout: sharded_state.py."""
-        state = self.sharded.checkpoint_state(self.opt)
+        state = self.sharded.checkpoint_state(self.opt, for_save)
         if self.critic is not None:
-            state["critic"] = self.critic.checkpoint_state()
+            state["critic"] = self.critic.checkpoint_state(for_save)
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:

@@ -77,15 +77,18 @@ class ShardedState:
         out.update({k: v.cpu() for k, v in self._gather_experts(experts).items()})
         return out
 
-    def checkpoint_state(self, opt) -> dict:
+    def checkpoint_state(self, opt, for_save: bool = False) -> dict:
+        """``for_save``: a parameter the optimizer holds no state for yet (no update has run) gets
+        none in the checkpoint either, as optimizer_coverage says (resume backfills it); as a load
+        template, the fresh state's shape (zeros)."""
         model = self.gather_hf(lambda p: opt.main_param(p).float())
         optim: dict = {}
         experts: dict[str, list] = {}
         hp = opt.group_hparams()
         for m in self.mappings:
             p = self.params[m.megatron_name]
-            st = opt.state(p) or opt.state_template(p)
-            step = torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(())
+            st = opt.state(p) or ({} if for_save else opt.state_template(p))  # the same on every rank
+            step = torch.as_tensor(st.get("step", 0), dtype=torch.float32).detach().cpu().reshape(())
             for key, v in st.items():
                 if key == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
@@ -97,7 +100,8 @@ class ShardedState:
                 for name, full in hf_from_shards(m, parts, self.arch).items():
                     optim[f"state.{name}.{key}"] = full.cpu()
             for name in m.hf_names:
-                optim[f"state.{name}.step"] = step.clone()
+                if st:
+                    optim[f"state.{name}.step"] = step.clone()
                 for k, v in hp.items():
                     optim[f"param_groups.{name}.{k}"] = v
         optim.update({k: v.cpu() for k, v in self._gather_experts(experts).items()})
