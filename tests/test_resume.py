@@ -277,14 +277,24 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_latest_complete_checkpoint_is_chosen_from_disk(small_run, tmp_path):
-    """"Latest" is the highest complete step_N on disk; a newer step_N without manifest and a
-    .tmp-step_N are skipped and listed; naming an older step_N rewinds (newer set aside)."""
+    """"Latest" is the highest complete step_N on disk; a .tmp-step_N (an interrupted save) is
+    skipped and listed; a newer step_N without manifest (which no save leaves: a partial copy, or
+    damage) is refused, naming the complete one to pass explicitly, which then skips it; naming an
+    older step_N rewinds (newer set aside)."""
+    from engine.errors import CheckpointError
+
     run = _copy(small_run, tmp_path / "run")
-    shutil.copytree(run / "step_2", run / "step_3")
-    (run / "step_3" / "manifest.json").unlink()
     (run / ".tmp-step_4").mkdir()
     loc = find_checkpoint(run)
-    assert loc.step.step == 2 and loc.skipped == ["step_3", ".tmp-step_4"]
+    assert loc.step.step == 2 and loc.skipped == [".tmp-step_4"]
+    shutil.copytree(run / "step_2", run / "step_3")
+    (run / "step_3" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"newer checkpoint directories without a manifest.json \(step_3\).*"
+                                              r"copied partially.*`rl resume .*step_2`"):
+        find_checkpoint(run)
+    loc = find_checkpoint(run / "step_2")
+    assert loc.step.step == 2 and loc.skipped == ["step_3"]
+    shutil.rmtree(run / "step_3")
     plan = plan_resume(run, ["trainer.total_steps=6"])
     assert plan.step == 2 and plan.samples_seen == 8 and plan.refusals == []
     older = plan_resume(run / "step_1", ["trainer.total_steps=6"])

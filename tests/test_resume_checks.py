@@ -218,3 +218,45 @@ def test_backfill_reported_by_the_ranks_is_compared_with_the_plan(allow_partial,
     loaded = [{"optimizer": {"backfilled": r}} for r in reported]
     assert backfill_warnings(entries, allow_partial, loaded) == expected
 
+
+
+def test_a_dcp_load_failure_names_what_is_missing(tmp_path):
+    """A checkpoint lacking one of the critic's entries (which the manifest's plan does not cover)
+    was refused with `CheckpointException ranks:dict_keys([0]) Traceback ...` cut at 600 characters,
+    before the missing key's name."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from engine.checkpoint.restore import load_failure
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"a": torch.zeros(2)}, checkpoint_id=str(tmp_path))
+        with pytest.raises(CheckpointException) as e:
+            dcp.load({"a": torch.zeros(2), "critic.optim.state.w.exp_avg": torch.zeros(2)}, checkpoint_id=str(tmp_path))
+    said = load_failure(e.value)
+    assert said == "RuntimeError: Missing key in checkpoint state_dict: critic.optim.state.w.exp_avg", said
+
+
+@pytest.mark.parametrize("text,needle", [('{"trunc', "is not valid JSON. A save writes its manifest whole"),
+                                         ("{}", "format None, not 'rl-checkpoint'"),
+                                         ("[1]", "is not a JSON object")])
+def test_a_damaged_manifest_says_so_once_and_names_the_checkpoint_before_it(tmp_path, text, needle):
+    """A truncated manifest said "...the save that wrote it did not finish; pick another checkpoint.
+    The checkpoint is damaged; resume an earlier one." (twice, and wrong: manifests are written
+    atomically) without naming one; `{}` gave no fix at all."""
+    from engine.checkpoint.layout import StepDir
+    from engine.checkpoint.manifest import read_manifest
+    from engine.errors import CheckpointError
+
+    for s in ("step_1", "step_2"):
+        (tmp_path / s).mkdir()
+        (tmp_path / s / "manifest.json").write_text("{}")
+    (tmp_path / "step_2" / "manifest.json").write_text(text)
+    with pytest.raises(CheckpointError) as e:
+        read_manifest(StepDir.at(tmp_path / "step_2"))
+    assert needle in e.value.message and "did not finish" not in e.value.message
+    assert e.value.message.endswith(f"The checkpoint before it: `rl resume {tmp_path / 'step_1'}`.")

@@ -77,8 +77,16 @@ def find_checkpoint(path: Path, command: str = "resume") -> Located:
             f"None can be {done_word} safely. Start the run again with `rl train ... checkpoint.dir={shown} "
             f"checkpoint.overwrite=true`.", title="incomplete checkpoint")
     chosen = done[-1]
-    skipped = [s.path.name for s in steps if s.step > chosen.step] + tmps
-    return Located(path, chosen, skipped, [])
+    newer = [s.path for s in steps if s.step > chosen.step]
+    if newer:  # a save writes .tmp-step_N and renames it last: a step_N without its manifest was copied or damaged
+        names = ", ".join(p.name for p in newer)
+        raise CheckpointError(
+            f"{shown} has newer checkpoint directories without a {MANIFEST} ({names}). rl's saves never leave one "
+            f"(they write .tmp-step_N and rename it once complete), so these were copied partially (an rsync or "
+            f"cp still running, or cut short) or damaged. Finish the copy, or pass the latest complete checkpoint "
+            f"explicitly: `rl {command} {chosen.path}`{' (a later save of those steps then replaces them)' if command == 'resume' else ''}.",
+            title="incomplete checkpoint")
+    return Located(path, chosen, tmps, [])
 
 
 def latest_hint(run_root: Path, command: str = "resume") -> str:

@@ -52,16 +52,20 @@ def read_manifest(step: StepDir) -> dict:
     from engine.checkpoint.io.files import read_json
 
     try:
-        m = read_json(step.path / MANIFEST, what=str(step.path / MANIFEST))
+        m = read_json(step.path / MANIFEST, what=MANIFEST)
     except CheckpointError as e:
-        raise CheckpointError(f"{e.message} The checkpoint is damaged; resume an earlier one.",
+        if "not valid JSON" not in e.message:  # unreadable, or far too large: as read_json says
+            raise CheckpointError(f"{e.message}{_earlier(step)}", title=e.title) from None
+        raise CheckpointError(f"{step.path / MANIFEST} is not valid JSON. A save writes its manifest whole, in one "
+                              f"atomic step, so the file was damaged or edited since.{_earlier(step)}",
                               title="corrupt checkpoint") from None
     if not isinstance(m, dict):
-        raise CheckpointError(f"{step.path / MANIFEST} is not a JSON object; the checkpoint is damaged.",
+        raise CheckpointError(f"{step.path / MANIFEST} is not a JSON object; the checkpoint is damaged.{_earlier(step)}",
                               title="corrupt checkpoint")
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{step.path / MANIFEST} is not an rl checkpoint manifest (format "
-                              f"{m.get('format')!r}).", title="unsupported checkpoint")
+                              f"{m.get('format')!r}, not {FORMAT!r}): the checkpoint is damaged, or another program "
+                              f"wrote it.{_earlier(step)}", title="unsupported checkpoint")
     if m.get("version") not in READABLE_CHECKPOINT_VERSIONS:
         raise CheckpointError(f"{step.path} uses checkpoint format version {m.get('version')!r}; this rl reads "
                               f"versions {', '.join(map(str, READABLE_CHECKPOINT_VERSIONS))}. Resume it with the rl "
@@ -92,3 +96,12 @@ def saved_entries(state_dir: Path, shown: str, *, read_values: bool = False):
 def manifest_step(step_dir: Path) -> int:
     m = STEP_RE.match(Path(step_dir).name)
     return int(m.group(1)) if m else 0
+
+
+def _earlier(step: StepDir) -> str:
+    """' The checkpoint before it: `rl resume <path>`.' (the nearest lower step_N with a manifest),
+    or ''."""
+    from engine.checkpoint.layout import complete_steps
+
+    before = [s for s in complete_steps(step.path.parent) if s.step < step.step]
+    return f" The checkpoint before it: `rl resume {before[-1].path}`." if before else ""

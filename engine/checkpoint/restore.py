@@ -131,7 +131,9 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
         dcp.load(state, storage_reader=safe_reader(step.state),
                  planner=_backfill_planner({"optim." + k for k in entries.skip}))
     except CheckpointException as e:  # a BaseException: turn it into an error the CLI prints
-        raise CheckpointError(f"Loading {step.state} failed: {str(e)[:600]}", title="load failed") from None
+        raise CheckpointError(f"Loading {step.state} failed: {load_failure(e)}. The checkpoint does not hold what "
+                              f"this run needs (damaged, or written by another version); resume an earlier one.",
+                              title="load failed") from None
     for k in entries.reset:
         state["optim"][k] = _initial(state["optim"][k])
     engine.load_checkpoint_state(state)
@@ -157,6 +159,17 @@ def load_rank_state(step_dir: Path, engine, rank: int, generator, plan: dict) ->
             "optimizer": {"loaded": len(entries.loaded), "backfilled": backfilled},
             "lr_scheduler": {"last_epoch": (sched or {}).get("last_epoch")},
             "rng": rng_source, "buckets": buckets, "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def load_failure(e) -> str:
+    """What a DCP CheckpointException says went wrong, in one line: the first rank's own exception
+    (its str() is a traceback dump cut at an arbitrary length, before the missing key's name)."""
+    for _rank, failure in sorted(getattr(e, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        text = " ".join(str(exc).split())
+        if text:
+            return f"{type(exc).__name__}: {text[:400].rstrip('.')}"
+    return " ".join(str(e).split())[:400]
 
 
 def _restore_buckets(engine, saved) -> str:
