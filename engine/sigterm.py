@@ -26,9 +26,10 @@ def _on_sigterm(signum, frame):
 
 
 def received() -> bool:
-    """Whether a SIGTERM has arrived inside ``sigterm_as_exit`` in this process: the stop under way
-    is a kill, and whatever else the kill reached (with the run's whole process group, the private
-    Ray's own processes) may be going down too."""
+    """Whether a SIGTERM has arrived inside the latest ``sigterm_as_exit`` block of this process:
+    the stop under way is a kill, and whatever else the kill reached (with the run's whole process
+    group, the private Ray's own processes) may be going down too. Cleared when a block starts (a
+    process that runs several commands, as the tests do, starts each one unkilled)."""
     return _received.is_set()
 
 
@@ -38,6 +39,7 @@ def sigterm_as_exit() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _received.clear()  # a SIGTERM before this block already raised: a new block is a new stop's context
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield

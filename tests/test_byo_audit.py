@@ -309,6 +309,11 @@ def test_export_stopped_by_sigterm_leaves_no_staging_directory(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
     assert e.value.code == 143 and list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before
+    from engine import sigterm
+
+    assert sigterm.received()  # what a run's shutdown reads (a killed run leaves its own Ray to ray.shutdown())
+    with sigterm.sigterm_as_exit():
+        assert not sigterm.received()  # the next command in this process starts unkilled
 
 
 NUMPY_REWARDS = '''
