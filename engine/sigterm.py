@@ -18,9 +18,12 @@ TERMINATED_EXIT = 128 + signal.SIGTERM  # 143, the shell's code for a process en
 
 
 _received = threading.Event()
+_depth = [0]  # sigterm_as_exit blocks entered on the main thread and not yet left
 
 
 def _on_sigterm(signum, frame):
+    if _received.is_set():  # a second SIGTERM while the first stop unwinds: let the cleanup finish
+        return
     _received.set()
     raise SystemExit(TERMINATED_EXIT)
 
@@ -28,8 +31,8 @@ def _on_sigterm(signum, frame):
 def received() -> bool:
     """Whether a SIGTERM has arrived inside the latest ``sigterm_as_exit`` block of this process:
     the stop under way is a kill, and whatever else the kill reached (with the run's whole process
-    group, the private Ray's own processes) may be going down too. Cleared when a block starts (a
-    process that runs several commands, as the tests do, starts each one unkilled)."""
+    group, the private Ray's own processes) may be going down too. Cleared when an outermost block
+    starts (a process that runs several commands, as the tests do, starts each one unkilled)."""
     return _received.is_set()
 
 
@@ -39,9 +42,12 @@ def sigterm_as_exit() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _received.clear()  # a SIGTERM before this block already raised: a new block is a new stop's context
+    if _depth[0] == 0:
+        _received.clear()  # the outermost block: a new command, not killed yet
+    _depth[0] += 1
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     finally:
+        _depth[0] -= 1
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -147,8 +147,8 @@ def test_a_save_before_the_policys_first_update_changes_nothing(tmp_path, engine
     (step 1, zero moments) when a checkpoint was saved during critic.warmup_steps: the first real
     update then counted its bias correction from 2, and the run differed from one that had not
     saved (entropy 2.4506 vs 2.4482 at step 4). Saving every step now gives the rows of a run that
-    never saved; the checkpoint holds no policy optimizer state (param_state false), and resuming
-    from it is exact."""
+    never saved; the checkpoint holds the policy optimizer's fresh state (FSDP: step 0, zero
+    moments; megatron: none, param_state false, backfilled), and resuming from it is exact."""
     common = [f"--engine={engine}", "algorithm=ppo", "critic.warmup_steps=2", "trainer.total_steps=4",
               "data.train_batch_size=4", "algorithm.rollout_n=2", "checkpoint.keep_last=0"]
     saving, quiet = tmp_path / "saving", tmp_path / "quiet"
@@ -160,8 +160,14 @@ def test_a_save_before_the_policys_first_update_changes_nothing(tmp_path, engine
                       for x in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
     assert rows(saving) == rows(quiet)
     manifest = json.loads((saving / "step_2" / "manifest.json").read_text())
-    assert set(manifest["optimizer"]["param_state"].values()) == {False}
-    assert not [k for k in dcp_tensors(saving / "step_2" / "state") if k.startswith("optim.state.")]
+    saved = dcp_tensors(saving / "step_2" / "state")
+    steps = [v for k, v in saved.items() if k.startswith("optim.state.") and k.endswith(".step")]
+    if engine == "fsdp":
+        assert steps and all(float(v) == 0 for v in steps)
+        moments = [v for k, v in saved.items() if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))]
+        assert moments and all(float(v.abs().max()) == 0 for v in moments)
+    else:
+        assert set(manifest["optimizer"]["param_state"].values()) == {False} and not steps
     resumed = tmp_path / "resumed"
     shutil.copytree(saving, resumed)
     for d in ("step_2", "step_3", "step_4"):

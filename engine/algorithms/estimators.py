@@ -185,8 +185,9 @@ def compute_advantages(cfg, rewards: torch.Tensor, mask: torch.Tensor, group_siz
     if kl_in_reward:
         # the KL as a reward: every token is credited with the penalty of the tokens it leads to
         # (the reward-to-go sum_{s >= t} kl_s, as the returns of reinforce_pp and ppo), since
-        # choosing token t changes the KL of every later one; earlier tokens' KL does not
-        # depend on it, so it is left out (a lower-variance, same-expectation gradient than
-        # verl's whole-response KL on every token)
+        # choosing token t changes the KL of every later one; earlier tokens' KL does not depend
+        # on it, so it is left out. Not group-normalised: its weight is kl_coef per token, so
+        # it grows with the response's length (verl instead subtracts the whole response's KL
+        # from the score before the group normalisation, which divides it by the group's std)
         adv = adv - cfg.kl_coef * discounted_returns(kl * mask, mask, 1.0)
     return Advantages(adv, metrics=metrics)

@@ -24,7 +24,7 @@ def kl_penalty(log_p: torch.Tensor, log_ref: torch.Tensor, kind: str) -> torch.T
     k2 = d^2 / 2 (as a loss, its expected gradient is exactly that of KL(pi || ref));
     k3 = exp(-d) + d - 1 (unbiased value, low variance; 'low_var_kl' clamps it to [-10, 10] as verl).
 
-    d is clamped to [-20, 20] first (as verl): a padded position, whose reference log-prob is 0
+    d is clamped to [-20, 20] first (verl does for k3/low_var_kl): a padded position, whose reference log-prob is 0
     while the policy's may be below -88, would otherwise make exp(-d) infinite, and its gradient,
     masked afterwards, 0 x inf = NaN.
     """

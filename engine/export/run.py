@@ -34,7 +34,7 @@ def _check_shard_size(size) -> None:
 
     try:
         n = parse_size_to_int(size) if isinstance(size, str) else int(size)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         n = None
     if n is None or n <= 0:  # huggingface_hub takes a negative size and writes one tensor per shard
         raise UserError(f"--max-shard-size {size!r} is not a size above zero; write it like 5GB, 500MB or 100KB (decimal units: TB, GB, MB, KB).",

@@ -46,14 +46,15 @@ def check_replaceable(out: Path) -> None:
     """What --overwrite may replace: not an rl run (another run's checkpoints and metrics would go
     with it), not a directory holding runs one level down, not a checkpoint (a step_N of any run,
     other than its own export directories), and not the working directory or one above it."""
-    from engine.checkpoint.layout import EXPORT_DIRS, checkpoint_holding, is_run_dir
+    from engine.checkpoint.layout import EXPORT_DIRS, checkpoint_holding
     from engine.user_paths import shown
 
     o = Path(os.path.realpath(out))
     cwd = Path(os.path.realpath(os.getcwd()))
+    home = Path(os.path.realpath(os.path.expanduser("~")))  # "~" itself when no home is known
     fix = "Choose another --out (a new directory, or one an earlier export wrote)."
-    if o == cwd or o in cwd.parents or o == Path.home().resolve():
-        what = "the working directory" if o == cwd else ("your home directory" if o == Path.home().resolve()
+    if o == cwd or o in cwd.parents or o == home:
+        what = "the working directory" if o == cwd else ("your home directory" if o == home
                                                           else "a directory above the working directory")
         raise UserError(f"--out {shown(out)} is {what}: --overwrite would delete everything in it. {fix}",
                         title="output would replace your files")
@@ -62,11 +63,19 @@ def check_replaceable(out: Path) -> None:
         raise UserError(f"--out {shown(out)} is {'' if o == step else 'inside '}the checkpoint {step} of the run in "
                         f"{step.parent}/: --overwrite would delete saved training state. {fix}",
                         title="output would replace a checkpoint")
-    runs = [o] if is_run_dir(o) else [d for d in _subdirs(o) if is_run_dir(d)]
+    runs = [o] if _is_run(o) else [d for d in _subdirs(o) if _is_run(d)]
     if runs:
         held = "is an rl run" if runs == [o] else f"holds rl runs ({', '.join(d.name for d in runs[:3])})"
         raise UserError(f"--out {shown(out)} {held}: --overwrite would delete its checkpoints and metrics. {fix}",
                         title="output would replace a run")
+
+
+def _is_run(d: Path) -> bool:
+    """A run's root: its run.json, or a complete checkpoint (a step_N with its manifest); a
+    directory of exports named step_N is not one."""
+    from engine.checkpoint.layout import RUN_FILE, complete_steps
+
+    return (d / RUN_FILE).is_file() or bool(complete_steps(d))
 
 
 def _subdirs(d: Path) -> list[Path]:

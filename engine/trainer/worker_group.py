@@ -442,18 +442,21 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        if sigterm.received() and owns_local_ray(ray):
-            # killed, and the Ray is this run's own: ray.shutdown() next ends it whole, ranks
-            # included. With the run's whole process group signalled (a scheduler, systemd,
-            # `kill -- -PGID`) its raylet and GCS are going down too: removing the placement group
-            # would wait for an answer that never comes, and Ray's core worker ends the driver
-            # with exit 1 a few seconds after its GCS is gone, before the stop is reported
-            return
+        # killed, and the Ray is this run's own: ray.shutdown() next ends it whole. A SIGTERM to
+        # the run's whole process group (a scheduler, systemd, `kill -- -PGID`) reached its raylet
+        # and GCS too, which are going down: removing the placement group then waited for an
+        # answer that never came, and Ray's core worker ends the driver with exit 1 a few seconds
+        # after its GCS is gone. So the ranks get 3 s to end their own way (a vLLM engine's
+        # processes, its shared-memory export), and ray.shutdown() ends the rest.
+        killed = sigterm.received() and owns_local_ray(ray)
         if graceful and not local_raylet_gone(ray):  # a busy rank (waiting in a collective for a peer that failed) would hold this for 30 s
             try:
-                get([a.shutdown.remote() for i, a in enumerate(self.actors) if i not in self.busy], 30, "shutdown")
+                get([a.shutdown.remote() for i, a in enumerate(self.actors) if i not in self.busy],
+                    3 if killed else 30, "shutdown")
             except Exception:
                 pass
+        if killed or local_raylet_gone(ray):
+            return
         def release() -> None:
             for a in self.actors:
                 try:

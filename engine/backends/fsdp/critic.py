@@ -90,10 +90,10 @@ class FSDPCritic(Critic):
 
         from engine.checkpoint.fresh_optimizer import keep_fresh
 
-        with keep_fresh(self.optimizer, for_save) as drop:
+        with keep_fresh(self.optimizer, for_save) as fix:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
-        return {"model": model_sd, "optim": drop(optim_sd)}
+        return {"model": model_sd, "optim": fix(optim_sd)}
 
     def load_checkpoint_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

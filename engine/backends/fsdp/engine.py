@@ -444,12 +444,12 @@ class FSDPEngine(TrainEngine):
 
         from engine.checkpoint.fresh_optimizer import keep_fresh
 
-        with keep_fresh(self.optimizer, for_save) as drop:
+        with keep_fresh(self.optimizer, for_save) as fix:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
         if self.lora_reference is not None:  # adapters only; the manifest names the base model and its hash
             model_sd = {k: v for k, v in model_sd.items() if "lora_" in k}
-        state = {"model": model_sd, "optim": drop(optim_sd)}
+        state = {"model": model_sd, "optim": fix(optim_sd)}
         if self.critic is not None:
             state["critic"] = self.critic.checkpoint_state(for_save)
         return state

@@ -172,7 +172,9 @@ class MegatronCritic(Critic):
 
     # ---- checkpoints (inside the engine's DCP state, under "critic") ----------------------
     def checkpoint_state(self, for_save: bool = False) -> dict:
-        return self.sharded.checkpoint_state(self.opt, for_save)
+        # a parameter without state yet is saved as the fresh state (zeros, step 0): the manifest
+        # records no critic coverage, so every critic entry must be in the checkpoint
+        return self.sharded.checkpoint_state(self.opt)
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.sharded.load_checkpoint_state(self.opt, state)
