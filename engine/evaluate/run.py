@@ -63,7 +63,7 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     agent = agent_setup(cfg, tok, task.tools, task.environment)  # multi-turn with tools: the loop rl train runs
     if agent is not None:
         prompts = agent.encode_prompts(examples, prompts)
-    _check_fits(src.model_dir, tok, prompts, cfg.rollout.max_new_tokens)
+    _check_fits(src, tok, prompts, cfg.rollout.max_new_tokens)
     from engine.reward_model.build import scorers_for
 
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok))  # a reward model scores in this process
@@ -117,17 +117,22 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
         reward=runner.describe())
 
 
-def _check_fits(model_dir: str, tok, prompts: list[list[int]], max_new_tokens: int) -> None:
+def _check_fits(src, tok, prompts: list[list[int]], max_new_tokens: int) -> None:
     from engine.model.source import check_vocab, context_length
 
+    model_dir = src.model_dir
     check_vocab(model_dir, tok, prompts)
     limit, key = context_length(model_dir)
     longest = max(len(p) for p in prompts)
     if limit and longest + max_new_tokens > limit:
+        if src.kind == "checkpoint":  # model_dir is this eval's temporary export: name the checkpoint's model
+            key = key.replace(f"{model_dir}/config.json", f"the model's (in {src.step_dir})")
+        room = limit - max_new_tokens  # the longest prompt that fits these responses
+        drop = (f", or drop long prompts with data.max_prompt_length={room} data.filter_overlong_prompts=true"
+                if room > 0 else "")
         raise ConfigError(f"prompt ({longest} tokens) + rollout.max_new_tokens ({max_new_tokens}) exceeds {key} "
-                          f"({limit}): the model has no positions past {limit}. Lower rollout.max_new_tokens (at most "
-                          f"{max(limit - longest, 1)}), or drop long prompts with data.max_prompt_length="
-                          f"{max(limit - max_new_tokens, 1)} data.filter_overlong_prompts=true.",
+                          f"({limit}): the model has no positions past {limit}, and `rl eval` evaluates it as it "
+                          f"is. Lower rollout.max_new_tokens (at most {max(limit - longest, 1)}){drop}.",
                           title="prompt too long")
 
 
