@@ -188,6 +188,13 @@ def test_bad_inputs_exit_2_with_the_fix_and_write_nothing(hf_dir, tmp_path):
     text = _refused(cli("eval", str(hf_dir), o, "rollout.max_new_tokens=100000"), "no positions past",
                     "Lower rollout.max_new_tokens (at most")
     assert "engine." not in text and "data.max_prompt_length=" not in text, text
+    # a held-out split that is empty says why: task.num_val=0, or data too small for the share rule
+    _refused(cli("eval", str(hf_dir), o, "task.num_val=0"), "task.num_val=0", "eval.split=train")
+    small = tmp_path / "four.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    text = _refused(cli("eval", str(hf_dir), o, "task=dataset", f"task.path={small}", "task.reward_fn=rl:exact_match"),
+                    "it has 4 rows", "rows // 5", "task.val_split", "eval.split=train")
+    assert "hold prompts out (task.num_val=64)" not in text, text
     _refused(cli("train", "eval.n=2", f"checkpoint.dir={tmp_path / 'run'}"), "read by `rl eval`, not by `rl train`")
     assert not out.exists() and not (tmp_path / "run").exists()
     # an existing file that an earlier rl eval did not write is never replaced

@@ -48,9 +48,7 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     if e.max_prompts:
         examples = examples[:e.max_prompts]
     if not examples:
-        raise ConfigError(f"The task's {e.split} split has no prompts (task.num_val={cfg.task.num_val}). Evaluate "
-                          f"on the train split (eval.split=train), or hold prompts out (task.num_val=64).",
-                          title="no prompts")
+        raise ConfigError(_no_prompts(cfg, task), title="no prompts")
     tok = HFTokenizer(src.model_dir)
     enc = encode_split(tok, examples, split=e.split, max_len=cfg.data.max_prompt_length,
                        filter_overlong=cfg.data.filter_overlong_prompts, chat_template=cfg.task.chat_template)
@@ -115,6 +113,29 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
         overall=overall, by_source=by_source, responses=len(rows), reward_failures=failures,
         output=str(Path(e.output)) if e.output else None, seconds=time.perf_counter() - t0,
         reward=runner.describe())
+
+
+def _no_prompts(cfg, task) -> str:
+    """Why the split eval.split names is empty, and what fills it."""
+    split, num_val, t = cfg.eval.split, cfg.task.num_val, cfg.task
+    if split != "held-out":
+        return f"The task's {split} split has no prompts. Evaluate the held-out split (eval.split=held-out)."
+    if num_val == 0:
+        return ("The task holds no prompts out: task.num_val=0. Hold some out (task.num_val=64), or evaluate on "
+                "the train split (eval.split=train).")
+    info = task.data_info or {}
+    if info.get("val_split"):
+        return (f"The dataset's held-out split task.val_split={info['val_split']} has no rows. Point "
+                f"task.val_split at a split with rows, or evaluate on the train split (eval.split=train).")
+    if info.get("rows"):  # a dataset task without task.val_split: its held-out rows come from the train split
+        rows = info["rows"]["train"] + info["rows"]["val"]
+        return (f"The dataset holds no prompts out: it has {rows} row{'s' if rows != 1 else ''}, and without "
+                f"task.val_split the held-out prompts are a fifth of the train split's rows at most (min("
+                f"task.num_val={num_val}, rows // 5)), so data of fewer than 5 rows holds none out. Name a held-out "
+                f"split with task.val_split, use data of at least 5 rows, or evaluate on the train split "
+                f"(eval.split=train).")
+    return (f"The task's held-out split has no prompts (task.num_val={num_val}). Evaluate on the train split "
+            f"(eval.split=train).")
 
 
 def _check_fits(src, tok, prompts: list[list[int]], max_new_tokens: int) -> None:
