@@ -120,6 +120,9 @@ def test_a_files_bad_key_or_value_is_the_overrides_error_naming_the_file(tmp_pat
 
 @pytest.mark.parametrize("text,expect", [
     ("- a\n- b\n", "holds a list, not a mapping of config sections"),
+    ("just a string\n", "holds a string ('just a string'), not a mapping of config sections"),  # was "Unknown section"
+    ("42\n", "holds a number (42), not a mapping of config sections"),  # was "is not valid YAML: " (nothing)
+    ("true\n", "holds a true/false value (true), not a mapping"),
     ("trainer: [1\n", "is not valid YAML: line 2, column 1"),
     ("trainer: {seed: 1}\ntrainer: {seed: 2}\n", "is not valid YAML: line 2, column 1: found duplicate key trainer"),
     ("defaults:\n  - task: add\n", "has a Hydra `defaults` list"),
