@@ -380,6 +380,10 @@ def test_reward_given_as_a_file_path_is_loaded_from_that_file(tmp_path, monkeypa
             pool.close()
     with pytest.raises(ConfigError, match=r"names the file .*nope\.py, which does not exist"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn="./nope.py:score"))
+    # a directory is said to be one (was "names the file sub, which does not exist"), with the .py files in it
+    with pytest.raises(ConfigError, match=r"names sub .*which is a directory, not a Python file\. It holds "
+                                          r"rewards\.py, helper\.py: e\.g\. `task\.reward_fn=\./sub/rewards\.py:score`"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn="./sub:score"))
 
 
 def test_export_never_takes_another_directorys_model_when_the_trained_one_is_gone(tmp_path, llama_dir,
