@@ -49,6 +49,8 @@ def test_compressed_jsonl_loads(tmp_path, reward, name, opener):
     ("blank.jsonl", "\n \n\n", "the file is empty"),
     ("h.csv", "prompt,answer\n", "only a header line"),
     ("l.json", "[]\n", "an empty JSON list"),
+    ("o.json", "{}\n", r"an empty JSON object \(`\{\}`\), not rows: a JSON file holds a list of rows"),  # was "empty list"
+    ("o.jsonl", "{}\n", r"an empty JSON object \(`\{\}`\), not rows: a JSON Lines file holds one row per line"),
 ])
 def test_files_without_rows_say_so(tmp_path, reward, name, text, why):
     """An empty file was "Cannot read ...: StopIteration: StopIteration" or 'Instruction "train"

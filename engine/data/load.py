@@ -92,7 +92,13 @@ def _no_rows(p: Path, builder: str) -> str:
         return "the file is empty"
     if builder == "csv":
         return "it holds only a header line"
-    return "it is an empty JSON list" if lines[0] in ("[]", "{}") else ""
+    if lines[0] == "{}":  # an object with no keys: not one row, and no list of rows
+        row = '{"prompt": ..., "answer": ...}'
+        how = (f"a JSON Lines file holds one row per line, each an object such as `{row}`"
+               if ".jsonl" in p.name.lower() else
+               f"a JSON file holds a list of rows, `[{row}, ...]` (or use JSON Lines: one such object per line)")
+        return f"it holds an empty JSON object (`{{}}`), not rows: {how}"
+    return "it is an empty JSON list (`[]`)" if lines[0] == "[]" else ""
 
 
 def _utf16(p: Path) -> bool:
