@@ -188,6 +188,9 @@ def test_bad_inputs_exit_2_with_the_fix_and_write_nothing(hf_dir, tmp_path):
     text = _refused(cli("eval", str(hf_dir), o, "rollout.max_new_tokens=100000"), "no positions past",
                     "Lower rollout.max_new_tokens (at most")
     assert "engine." not in text and "data.max_prompt_length=" not in text, text
+    # eval's overrides read nan as text: the same refusal as `rl train optim.lr=nan` (was "must be a number; got 'nan'")
+    _refused(cli("eval", str(hf_dir), o, "eval.pass_threshold=nan"),
+             "`eval.pass_threshold` must be a finite number (nan and inf are not); got nan.")
     # a held-out split that is empty says why: task.num_val=0, or data too small for the share rule
     _refused(cli("eval", str(hf_dir), o, "task.num_val=0"), "task.num_val=0", "eval.split=train")
     small = tmp_path / "four.jsonl"

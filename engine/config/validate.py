@@ -139,6 +139,10 @@ def coerce_value(key: str, f, value: Any, secret: str | None = None) -> Any:
         ok = isinstance(v, int) and not isinstance(v, bool)
         allowed = "an integer"
     elif tname == "float":
+        if isinstance(v, str) and _NON_FINITE.fullmatch(v.strip()):
+            # `nan`/`inf` as text (YAML and `rl eval`/`rl resume` overrides read them so; Hydra's `rl train`
+            # overrides give a float): the same "finite number" refusal below, not "must be a number; got 'nan'"
+            v = value = float(v.strip().replace(".", ""))
         ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         if ok:
             v = float(v)
@@ -167,6 +171,9 @@ def coerce_value(key: str, f, value: Any, secret: str | None = None) -> Any:
             f"`{key}` must be one of {', '.join(map(str, meta['choices']))}; got {_short(value)}."
             f"{suggest(str(value), [str(c) for c in meta['choices']]) if isinstance(value, str) else ''}",
             title="invalid config value")
+    if tname == "float" and not math.isfinite(v):  # before the bounds: `inf` is not "must be <= 1"
+        raise ConfigError(f"`{key}` {_value_problem(tname, v, meta)}; got {_short(value)}. Default: "
+                          f"{key}={_fmt(_default_of(f))}. Help: {meta.get('help', '')}.", title="invalid config value")
     if "min" in meta and v < meta["min"]:
         raise ConfigError(f"`{key}` must be >= {meta['min']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
@@ -208,6 +215,7 @@ def _secret_value_error(key: str, f, value: Any, secret: str, e: ConfigError) ->
         title=e.title)
 
 
+_NON_FINITE = re.compile(r"[-+]?\.?(nan|inf|infinity)", re.IGNORECASE)
 _ENV_ONLY = re.compile(r"\$\{\s*(?:oc\.)?env\s*:[^${}]*\}")
 
 INT64_MAX = 2**63 - 1
