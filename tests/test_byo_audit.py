@@ -61,14 +61,24 @@ def test_files_without_rows_say_so(tmp_path, reward, name, text, why):
     assert "StopIteration" not in e.value.message and "Instruction" not in e.value.message
 
 
-def test_malformed_jsonl_names_the_parse_error(tmp_path, reward):
+def test_malformed_jsonl_names_the_parse_error(tmp_path, reward, capfd):
     """The parser's own message (what and which row), not datasets' wrapper "An error occurred
-    while generating the dataset"."""
+    while generating the dataset"; datasets' own log line of the same error ("Failed to load JSON
+    from file ...", printed above rl's panel) is silenced, for JSON Lines and Parquet alike."""
     (tmp_path / "bad.jsonl").write_text(jsonl(ROWS[:1]) + "{not json\n")
+    capfd.readouterr()
     with pytest.raises(ConfigError, match=r"Cannot read .*bad.jsonl: ArrowInvalid: JSON parse error: .* row 1\. "
                                           r"Check that it is valid JSON") as e:
         task(tmp_path / "bad.jsonl", reward)
     assert "DatasetGenerationError" not in e.value.message
+    (tmp_path / "bad.parquet").write_text("not parquet\n")
+    with pytest.raises(ConfigError, match=r"Cannot read .*bad.parquet: ArrowInvalid"):
+        task(tmp_path / "bad.parquet", reward)
+    err = capfd.readouterr().err
+    assert "Failed to" not in err and "ArrowInvalid" not in err, err
+    import logging
+
+    assert logging.getLogger("datasets").getEffectiveLevel() <= logging.WARNING  # put back after the load
 
 
 def test_typo_in_a_column_name_gets_did_you_mean(tmp_path, reward):

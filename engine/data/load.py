@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,28 @@ def cache_dirs() -> list[str]:
 
 
 def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", split: str = "train") -> OpenedDataset:
+    _datasets()  # imported first: its import sets its logger's level
+    with _library_log_quiet():
+        return _open_dataset(path, task_name=task_name, subset=subset, split=split)
+
+
+@contextmanager
+def _library_log_quiet():
+    """`datasets` logs a file it cannot parse ("Failed to load JSON from file ... ArrowInvalid ...",
+    "Failed to read schema from ...") on stderr, then raises; rl's error from what it raised says the
+    same, with the fix. Its log is silenced while it opens the data, and put back as it was."""
+    import logging
+
+    lib = logging.getLogger("datasets")
+    level = lib.level
+    lib.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        lib.setLevel(level)
+
+
+def _open_dataset(path: str, *, task_name: str, subset: str, split: str) -> OpenedDataset:
     datasets = _datasets()
     p = Path(os.path.expanduser(path))
     from engine.user_paths import file_kind, shown, stat_path
