@@ -75,6 +75,25 @@ def print_json_error(message: str, title: str, exit_code: int) -> None:
         print_json({"error": {"title": str(title), "message": str(message), "exit_code": exit_code}})
 
 
+def print_json_or_error(doc: dict, *checks: Callable[[], None]) -> None:
+    """Under --json, a --dry-run's document (the plan, the resolved config) whose ``checks`` (each
+    raises UserError, e.g. ``plan.raise_if_refused``) may still refuse it: a refused one is printed
+    with the first refusal under "error" ({"error": {title, message, exit_code}, ...the document}),
+    so every error follows the {"error": ...} convention and the plan stays readable. The caller
+    then runs the same checks through call_engine, which shows the panel and exits."""
+    from engine.errors import UserError
+    from engine.secret_values import redact
+
+    for check in checks:
+        try:
+            check()
+        except UserError as e:
+            doc = {"error": {"title": redact(str(e.title)), "message": redact(str(e.message)),
+                             "exit_code": e.exit_code}} | doc
+            break
+    print_json(doc)
+
+
 def fail(message: str, title: str = "error", exit_code: int = 2) -> None:
     """Print a one-paragraph error to stderr and exit (no traceback). The message and title
     are plain text: brackets such as `rl[smollm2]` are shown, never read as rich markup. A value

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from rlcli.output import (call_engine, interrupts_reported_by_caller, print_json, print_json_error, stderr_console,
-                          stdout_console)
+from rlcli.output import (call_engine, interrupts_reported_by_caller, print_json, print_json_error,
+                          print_json_or_error, stderr_console, stdout_console)
 
 
 def render_config(loaded, json_out: bool, report=None) -> None:
@@ -19,9 +19,10 @@ def render_config(loaded, json_out: bool, report=None) -> None:
 
     shown = keep_env_references(asdict(loaded.config), loaded.env_refs)  # environment values are not shown
     if json_out:
-        print_json({"config": shown, "groups": loaded.groups,
-                    "changed": {k: list(v) for k, v in loaded.changed.items()}}
-                   | ({"preflight": report.to_json()} if report is not None else {}))
+        print_json_or_error({"config": shown, "groups": loaded.groups,
+                             "changed": {k: list(v) for k, v in loaded.changed.items()}}
+                            | ({"preflight": report.to_json()} if report is not None else {}),
+                            *([report.raise_if_failed] if report is not None else []))
         return
     from rich.table import Table
     from rich.text import Text

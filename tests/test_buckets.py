@@ -441,8 +441,9 @@ def test_longest_sequence_that_cannot_fit_the_budget_is_refused():
     run = RunConfig()
     run.engine = FSDPEngineConfig(pad_to_length=True, pad_to_length_bucket=128, max_tokens_per_micro_batch=256)
     run.data.max_prompt_length, run.rollout.max_new_tokens = 100, 160   # 260 -> 384 > 256
-    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch") as e:
         validate_run_padding(run)
+    assert e.value.title == "sequence too long"           # not the bare default "error"
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         validate_run_padding(run, layout="packed")        # one sequence is longer than a micro-batch
     run.rollout.max_new_tokens = 150                      # 250 -> 256 fits

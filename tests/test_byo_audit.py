@@ -49,6 +49,8 @@ def test_compressed_jsonl_loads(tmp_path, reward, name, opener):
     ("blank.jsonl", "\n \n\n", "the file is empty"),
     ("h.csv", "prompt,answer\n", "only a header line"),
     ("l.json", "[]\n", "an empty JSON list"),
+    ("o.json", "{}\n", r"an empty JSON object \(`\{\}`\), not rows: a JSON file holds a list of rows"),  # was "empty list"
+    ("o.jsonl", "{}\n", r"an empty JSON object \(`\{\}`\), not rows: a JSON Lines file holds one row per line"),
 ])
 def test_files_without_rows_say_so(tmp_path, reward, name, text, why):
     """An empty file was "Cannot read ...: StopIteration: StopIteration" or 'Instruction "train"
@@ -59,14 +61,24 @@ def test_files_without_rows_say_so(tmp_path, reward, name, text, why):
     assert "StopIteration" not in e.value.message and "Instruction" not in e.value.message
 
 
-def test_malformed_jsonl_names_the_parse_error(tmp_path, reward):
+def test_malformed_jsonl_names_the_parse_error(tmp_path, reward, capfd):
     """The parser's own message (what and which row), not datasets' wrapper "An error occurred
-    while generating the dataset"."""
+    while generating the dataset"; datasets' own log line of the same error ("Failed to load JSON
+    from file ...", printed above rl's panel) is silenced, for JSON Lines and Parquet alike."""
     (tmp_path / "bad.jsonl").write_text(jsonl(ROWS[:1]) + "{not json\n")
+    capfd.readouterr()
     with pytest.raises(ConfigError, match=r"Cannot read .*bad.jsonl: ArrowInvalid: JSON parse error: .* row 1\. "
                                           r"Check that it is valid JSON") as e:
         task(tmp_path / "bad.jsonl", reward)
     assert "DatasetGenerationError" not in e.value.message
+    (tmp_path / "bad.parquet").write_text("not parquet\n")
+    with pytest.raises(ConfigError, match=r"Cannot read .*bad.parquet: ArrowInvalid"):
+        task(tmp_path / "bad.parquet", reward)
+    err = capfd.readouterr().err
+    assert "Failed to" not in err and "ArrowInvalid" not in err, err
+    import logging
+
+    assert logging.getLogger("datasets").getEffectiveLevel() <= logging.WARNING  # put back after the load
 
 
 def test_typo_in_a_column_name_gets_did_you_mean(tmp_path, reward):
@@ -385,6 +397,10 @@ def test_reward_given_as_a_file_path_is_loaded_from_that_file(tmp_path, monkeypa
             pool.close()
     with pytest.raises(ConfigError, match=r"names the file .*nope\.py, which does not exist"):
         user_reward_specs(TaskConfig(name="dataset", reward_fn="./nope.py:score"))
+    # a directory is said to be one (was "names the file sub, which does not exist"), with the .py files in it
+    with pytest.raises(ConfigError, match=r"names sub .*which is a directory, not a Python file\. It holds "
+                                          r"rewards\.py, helper\.py: e\.g\. `task\.reward_fn=\./sub/rewards\.py:score`"):
+        user_reward_specs(TaskConfig(name="dataset", reward_fn="./sub:score"))
 
 
 def test_export_never_takes_another_directorys_model_when_the_trained_one_is_gone(tmp_path, llama_dir,

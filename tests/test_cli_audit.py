@@ -140,13 +140,13 @@ def test_json_output_is_json_on_error_too(args, tmp_path):
 
 
 def test_json_error_never_adds_a_second_document(tmp_path):
-    """A command that printed its JSON (a dry run's resolved config) and then fails its
-    preflight keeps stdout one document."""
+    """A dry run whose resolved config fails its preflight keeps stdout one document: the
+    config and its failed preflight, with the refusal under "error" (the --json error convention)."""
     (tmp_path / "file").write_text("x")
     r = cli("train", "--dry-run", "--json", f"checkpoint.dir={tmp_path / 'file'}")
     assert r.exit_code == 2, r.output
-    doc = json.loads(r.stdout)  # one document: the config and its failed preflight
-    assert "error" not in doc, doc
+    doc = json.loads(r.stdout)  # one document: the error beside the config and its failed preflight
+    assert doc["error"]["exit_code"] == 2 and doc["preflight"]["ok"] is False and "config" in doc, doc
     r = cli("plot", str(tmp_path / "missing"))  # no --json afterwards in the same process: no JSON
     assert r.exit_code == 2 and r.stdout == "", r.output
 

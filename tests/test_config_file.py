@@ -107,6 +107,9 @@ def test_environment_interpolations_in_the_file_resolve_and_stay_unsaved(tmp_pat
     ("algorithm: {name: grpoo}\n", "`algorithm.name` must be one of"),
     ("trainer: {project: '${nope.x}'}\n", "`trainer.project` refers to `${nope.x}`, which is not a config key"),
     ("data.rollout_n: 4\n", "Unknown config key `data.rollout_n`"),
+    # YAML reads nan/inf as text: the overrides' "finite number" refusal, not "must be a number; got 'nan' (str)"
+    ("optim: {lr: nan}\n", "`optim.lr` must be a finite number (nan and inf are not); got nan."),
+    ("algorithm: {clip_ratio_low: -.inf}\n", "`algorithm.clip_ratio_low` must be a finite number"),
 ])
 def test_a_files_bad_key_or_value_is_the_overrides_error_naming_the_file(tmp_path, text, expect):
     f = _write(tmp_path, text)
@@ -120,6 +123,9 @@ def test_a_files_bad_key_or_value_is_the_overrides_error_naming_the_file(tmp_pat
 
 @pytest.mark.parametrize("text,expect", [
     ("- a\n- b\n", "holds a list, not a mapping of config sections"),
+    ("just a string\n", "holds a string ('just a string'), not a mapping of config sections"),  # was "Unknown section"
+    ("42\n", "holds a number (42), not a mapping of config sections"),  # was "is not valid YAML: " (nothing)
+    ("true\n", "holds a true/false value (true), not a mapping"),
     ("trainer: [1\n", "is not valid YAML: line 2, column 1"),
     ("trainer: {seed: 1}\ntrainer: {seed: 2}\n", "is not valid YAML: line 2, column 1: found duplicate key trainer"),
     ("defaults:\n  - task: add\n", "has a Hydra `defaults` list"),

@@ -183,6 +183,21 @@ def test_bad_inputs_exit_2_with_the_fix_and_write_nothing(hf_dir, tmp_path):
     _refused(cli("eval", str(hf_dir), o, "eval.greedy=false"), "evaluates nothing")
     _refused(cli("eval", str(hf_dir), o, "task.path=x.jsonl"), "is a dataset key", "task=dataset")
     _refused(cli("eval", str(hf_dir), o, "eval.nn=2"), "eval.n")  # did you mean
+    # a response longer than the trainer's token budget: eval trains nothing, so the advice is the
+    # model's positions and rollout.max_new_tokens, never engine.max_tokens_per_micro_batch (which eval refuses)
+    text = _refused(cli("eval", str(hf_dir), o, "rollout.max_new_tokens=100000"), "no positions past",
+                    "Lower rollout.max_new_tokens (at most")
+    assert "engine." not in text and "data.max_prompt_length=" not in text, text
+    # eval's overrides read nan as text: the same refusal as `rl train optim.lr=nan` (was "must be a number; got 'nan'")
+    _refused(cli("eval", str(hf_dir), o, "eval.pass_threshold=nan"),
+             "`eval.pass_threshold` must be a finite number (nan and inf are not); got nan.")
+    # a held-out split that is empty says why: task.num_val=0, or data too small for the share rule
+    _refused(cli("eval", str(hf_dir), o, "task.num_val=0"), "task.num_val=0", "eval.split=train")
+    small = tmp_path / "four.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    text = _refused(cli("eval", str(hf_dir), o, "task=dataset", f"task.path={small}", "task.reward_fn=rl:exact_match"),
+                    "it has 4 rows", "rows // 5", "task.val_split", "eval.split=train")
+    assert "hold prompts out (task.num_val=64)" not in text, text
     _refused(cli("train", "eval.n=2", f"checkpoint.dir={tmp_path / 'run'}"), "read by `rl eval`, not by `rl train`")
     assert not out.exists() and not (tmp_path / "run").exists()
     # an existing file that an earlier rl eval did not write is never replaced

@@ -137,7 +137,12 @@ def test_errors_are_one_paragraph_exit_2(tmp_path):
     assert_clean_exit_2(mem_report(str(run)), "line 2", "damaged")
     (run / "memory.jsonl").write_text("")
     assert_clean_exit_2(mem_report(str(run)), "empty")
-    assert_clean_exit_2(mem_report(str(run), "trainer.nprocs=2"), "takes no overrides")
+    assert_clean_exit_2(mem_report(str(run), "trainer.nprocs=2"), "takes no overrides",
+                        "rl mem-report --estimate trainer.nprocs=2")
+    # two run directories: each is reported in its own command (`--estimate RUN` is refused, so never advised)
+    two = mem_report(str(run), str(tmp_path))
+    assert_clean_exit_2(two, "one run directory at a time", f"rl mem-report {run}", f"rl mem-report {tmp_path}")
+    assert "--estimate" not in two.output + (two.stderr or "")
     for bad in ("80XB", "-3GiB", "0", "inf", "1e400GB", "-infGiB", "nan"):  # inf/1e400: OverflowError tracebacks
         assert_clean_exit_2(mem_report("--estimate", "--device-memory", bad), "memory size")
     assert_clean_exit_2(mem_report("--device-memory", "lots"), "memory size")   # before any run starts

@@ -141,6 +141,12 @@ def test_unknown_metric_and_missing_run_are_user_errors(runs, tmp_path):
     assert r.returncode == 2 and "does not exist" in flat(r.stderr)
     r = rl("plot", str(a), "--list", "--json")
     assert "train/grad_norm" in json.loads(r.stdout)["metrics"][str(a)]
+    # a width the chart cannot be drawn in: refused (it printed an empty frame, exit 0); 20 draws a chart
+    r = rl("plot", str(a), "--width", "3")
+    assert r.returncode == 2 and "--width 3 is too narrow" in flat(r.stderr) and "--width 20" in flat(r.stderr), r
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    r = rl("plot", str(a), "--width", "20", "--height", "8")
+    assert r.returncode == 0 and "train/reward" in r.stdout and "┤" in r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("target", ["metrics", "config", "fifo", "device", "directory", "proc"])

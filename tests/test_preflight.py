@@ -131,6 +131,10 @@ def test_reward_fn_on_a_builtin_task_is_refused_not_ignored(tmp_path):
     """A built-in task scores with its own rule; task.reward_fn was silently ignored."""
     refused(cli("train", "--dry-run", "task=add", "task.reward_fn=mymod:score"), "task.reward_fn=mymod:score",
             "task=add", "ignored")
+    # task.reward_weights weights task.reward_fns: a built-in task has none, and the weights were silently ignored
+    refused(cli("train", "--dry-run", "task=add", "task.reward_weights=[1,2]"), "task.reward_weights=[1,2]",
+            "task=add", "silently ignored", "task=dataset")
+    refused(cli("train", "--dry-run", "task=add", "task.reward_fns=[mymod:a]"), "`task.reward_fns=mymod:a`")
 
 
 def test_missing_model_path_is_exit_2(tmp_path):

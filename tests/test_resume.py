@@ -380,6 +380,15 @@ def test_dry_run_json_is_the_plan(small_run):
     assert (plan["world_size_then"], plan["world_size_now"]) == (1, 2)
     assert {c["key"]: c["allowed"] for c in plan["config_changes"]} == {"trainer.total_steps": True,
                                                                         "trainer.nprocs": True}
+    assert "error" not in plan
+    # a refused plan follows the --json error convention: "error" (the panel's title and message, the
+    # exit code), the plan's keys beside it; the panel on stderr, exit 2
+    r = _cli("resume", str(small_run), "trainer.total_steps=8", "optim.lr=1", "--dry-run", "--json")
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["error"]["title"] == "cannot resume" and doc["error"]["exit_code"] == 2, doc
+    assert "optim.lr cannot change on resume" in doc["error"]["message"] and doc["refusals"], doc
+    assert doc["step"] == 2 and "cannot resume" in r.stderr
 
 
 def test_dry_run_table_groups_rng_ranks_at_any_world_size(small_run):

@@ -192,9 +192,9 @@ def test_rl_train_dry_run_never_prints_it(override, json_out, monkeypatch):
     out = r.stdout + r.stderr
     assert TOKEN not in out, out
     assert f"${{oc.env:{VAR}}}" in flat(out) or VAR in out
-    if json_out:  # one JSON document: the error, or the config and the preflight that failed
+    if json_out:  # one JSON document with "error": alone, or beside the config and the preflight that failed
         doc = json.loads(r.stdout)
-        assert "error" in doc or doc["preflight"]["ok"] is False
+        assert doc["error"]["exit_code"] == 2 and ("preflight" not in doc or doc["preflight"]["ok"] is False), doc
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
         raise ConfigError(
             f"engine.pad_to_length_policy={engine_cfg.pad_to_length_policy} has no effect because "
             f"engine.pad_to_length=false; set engine.pad_to_length=true to pad micro-batches to "
-            f"{engine_cfg.pad_to_length_policy} buckets, or remove the policy override.")
+            f"{engine_cfg.pad_to_length_policy} buckets, or remove the policy override.", title="invalid config")
     if (engine_cfg.pad_to_length and engine_cfg.pad_to_length_policy == "learned"
             and engine_cfg.pad_to_length_max_shapes < 2):
         warnings.append("engine.pad_to_length_max_shapes=1 leaves policy=learned only its top "
@@ -69,7 +69,7 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
             f"engine.max_tokens_per_micro_batch={budget} is smaller than one bucket: every padded "
             f"length is a multiple of {_explain_alignment(engine_cfg)}; raise "
             f"engine.max_tokens_per_micro_batch to at least {align}, or lower "
-            f"engine.pad_to_length_bucket.")
+            f"engine.pad_to_length_bucket.", title="invalid config")
     if budget_mode and max_seq_length is not None:
         policy = make_bucket_policy(engine_cfg, max_length=max_seq_length if layout == "padded" else None)
         longest = (policy.bucket_length(max_seq_length) if max_seq_length <= policy.max_length
@@ -80,7 +80,7 @@ def validate_padding_config(engine_cfg, *, max_seq_length: Optional[int] = None,
                 f"{max_seq_length} tokens) pads to {longest}, more than "
                 f"engine.max_tokens_per_micro_batch={budget}; raise "
                 f"engine.max_tokens_per_micro_batch to at least {longest} or shorten "
-                f"{length_keys[1]}.")
+                f"{length_keys[1]}.", title="sequence too long")
     if getattr(engine_cfg, "compile", False) and not engine_cfg.pad_to_length:
         warnings.append("engine.compile=true without engine.pad_to_length: nearly every micro-batch "
                         "has a new shape and recompiles; set engine.pad_to_length=true.")

@@ -89,7 +89,8 @@ def read_config_file(path: str | Path) -> ConfigFile:
         raise ConfigError(f"{what} is not UTF-8 text; a config file is YAML.", title="bad config file") from None
     try:
         yaml_safe.check_bounded(text, what)
-        node = OmegaConf.create(text)  # omegaconf's YAML loader: `1e-3` is a float, as on the command line
+        top = _top_level_scalar(text)  # omegaconf reads a bare string as a key, and fails on a number
+        node = OmegaConf.create(text) if top is None else None  # its YAML loader: `1e-3` a float, as on the command line
     except yaml_safe.YamlTooLarge as e:
         raise ConfigError(f"{e}.", title="bad config file") from None
     except Exception as e:  # a YAML syntax error, duplicate keys
@@ -97,9 +98,14 @@ def read_config_file(path: str | Path) -> ConfigFile:
         detail = (f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}" if mark is not None  # type: ignore[attr-defined]
                   else " ".join(str(e).split()))
         raise ConfigError(f"{what} is not valid YAML: {detail}", title="bad config file") from None
-    data = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    data = top if top is not None else OmegaConf.to_container(node, resolve=False) if node is not None else {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} holds a {type(data).__name__}, not a mapping of config sections. Write it "
+        kind = ("a list" if isinstance(data, list) else
+                f"a true/false value ({str(data).lower()})" if isinstance(data, bool) else
+                f"a number ({data!r})" if isinstance(data, (int, float)) else
+                f"a string ({' '.join(str(data).split())[:60]!r})" if isinstance(data, str) else
+                f"a {type(data).__name__}")
+        raise ConfigError(f"{what} holds {kind}, not a mapping of config sections. Write it "
                           f"as a run's config.yaml is written: sections of keys, e.g. `trainer: {{total_steps: 50}}` "
                           f"(or one per line, indented).",
                           title="bad config file")
@@ -109,6 +115,17 @@ def read_config_file(path: str | Path) -> ConfigFile:
                           f"`model: {{preset: smollm2-135m}}`) or on the command line (`task=add`).",
                           title="bad config file")
     return ConfigFile(str(path), _nest_dotted(_group_shorthand(data, what), what))
+
+
+def _top_level_scalar(text: str):
+    """The value of a YAML document that is one scalar (a string, a number, true/false); None for a
+    mapping, a list or an empty document."""
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(root, yaml.ScalarNode) or root.tag == "tag:yaml.org,2002:null":
+        return None
+    return yaml.safe_load(text)
 
 
 def _group_shorthand(data: dict, what: str) -> dict:

@@ -139,6 +139,10 @@ def coerce_value(key: str, f, value: Any, secret: str | None = None) -> Any:
         ok = isinstance(v, int) and not isinstance(v, bool)
         allowed = "an integer"
     elif tname == "float":
+        if isinstance(v, str) and _NON_FINITE.fullmatch(v.strip()):
+            # `nan`/`inf` as text (YAML and `rl eval`/`rl resume` overrides read them so; Hydra's `rl train`
+            # overrides give a float): the same "finite number" refusal below, not "must be a number; got 'nan'"
+            v = value = float(v.strip().replace(".", ""))
         ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         if ok:
             v = float(v)
@@ -167,6 +171,9 @@ def coerce_value(key: str, f, value: Any, secret: str | None = None) -> Any:
             f"`{key}` must be one of {', '.join(map(str, meta['choices']))}; got {_short(value)}."
             f"{suggest(str(value), [str(c) for c in meta['choices']]) if isinstance(value, str) else ''}",
             title="invalid config value")
+    if tname == "float" and not math.isfinite(v):  # before the bounds: `inf` is not "must be <= 1"
+        raise ConfigError(f"`{key}` {_value_problem(tname, v, meta)}; got {_short(value)}. Default: "
+                          f"{key}={_fmt(_default_of(f))}. Help: {meta.get('help', '')}.", title="invalid config value")
     if "min" in meta and v < meta["min"]:
         raise ConfigError(f"`{key}` must be >= {meta['min']}; got {_short(value)}. ({meta.get('help', '')})",
                           title="invalid config value")
@@ -208,6 +215,7 @@ def _secret_value_error(key: str, f, value: Any, secret: str, e: ConfigError) ->
         title=e.title)
 
 
+_NON_FINITE = re.compile(r"[-+]?\.?(nan|inf|infinity)", re.IGNORECASE)
 _ENV_ONLY = re.compile(r"\$\{\s*(?:oc\.)?env\s*:[^${}]*\}")
 
 INT64_MAX = 2**63 - 1
@@ -261,13 +269,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def build_run_config(data: dict, *, check_environment: bool = True, env_refs: dict | None = None) -> RunConfig:
+def build_run_config(data: dict, *, check_environment: bool = True, env_refs: dict | None = None,
+                     trains: bool = True) -> RunConfig:
     """Validate a plain nested dict (every section optional) into a RunConfig.
     ``check_environment=False``: a config that is read, not run here (a checkpoint's saved config
     before `rl resume` applies its overrides, config.yaml for `rl mem-report`, a rank's copy):
     the loggers' packages and settings (WANDB_MODE) belong to the machine and run that open them.
     ``env_refs``: key -> the interpolation its value was read from the environment through
-    (engine.config.interpolation.env_references): errors about those keys never show the value."""
+    (engine.config.interpolation.env_references): errors about those keys never show the value.
+    ``trains=False``: a config nothing trains under (`rl eval`): the trainer's micro-batch token
+    budget (engine.*) does not apply, so a sequence longer than it is not refused here."""
     engine_name = (data.get("engine") or {}).get("name", "fsdp")
     if engine_name not in ENGINE_CONFIGS:
         raise ConfigError(
@@ -283,7 +294,7 @@ def build_run_config(data: dict, *, check_environment: bool = True, env_refs: di
     for section, cls in sections.items():
         built[section] = _build_section(cls, data.get(section) or {}, section, engine_name, env_refs or {})
     cfg = RunConfig(**built)
-    check_cross_field(cfg, check_environment=check_environment)
+    check_cross_field(cfg, check_environment=check_environment, trains=trains)
     return cfg
 
 
@@ -313,9 +324,10 @@ def _ref_text(ref: Any) -> str | None:
     return ref if isinstance(ref, str) else repr(ref)
 
 
-def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None:
+def check_cross_field(cfg: RunConfig, *, check_environment: bool = True, trains: bool = True) -> None:
     """Rules that involve more than one key (and, with ``check_environment``, what the loggers
-    need on this machine: their packages, WANDB_MODE, a project name they take)."""
+    need on this machine: their packages, WANDB_MODE, a project name they take). ``trains=False``:
+    the training-only padding/token-budget rules are skipped (see build_run_config)."""
     if cfg.task.name in ("dataset", "jsonl", "parquet"):
         if not cfg.task.path:
             raise ConfigError(f"`task={cfg.task.name}` needs `task.path=` (a Parquet/JSONL/JSON/Arrow file, a "
@@ -380,8 +392,9 @@ def check_cross_field(cfg: RunConfig, *, check_environment: bool = True) -> None
             f"baseline: algorithm=reinforce_pp (the batch) or algorithm=ppo (a critic).", title="invalid config")
     from engine.batching.validate import MULTI_TURN_LENGTH, SINGLE_TURN_LENGTH, validate_run_padding
 
-    validate_run_padding(cfg, longest=longest_sequence(cfg),
-                         length_keys=MULTI_TURN_LENGTH if is_multi_turn(cfg) else SINGLE_TURN_LENGTH)
+    if trains:  # `rl eval` trains nothing: its sequences are checked against the model's positions instead
+        validate_run_padding(cfg, longest=longest_sequence(cfg),
+                             length_keys=MULTI_TURN_LENGTH if is_multi_turn(cfg) else SINGLE_TURN_LENGTH)
     if e.name == "megatron":
         if e.pipeline_model_parallel_size > 1 or e.context_parallel_size > 1:
             raise ConfigError(

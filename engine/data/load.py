@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,13 @@ def _no_rows(p: Path, builder: str) -> str:
         return "the file is empty"
     if builder == "csv":
         return "it holds only a header line"
-    return "it is an empty JSON list" if lines[0] in ("[]", "{}") else ""
+    if lines[0] == "{}":  # an object with no keys: not one row, and no list of rows
+        row = '{"prompt": ..., "answer": ...}'
+        how = (f"a JSON Lines file holds one row per line, each an object such as `{row}`"
+               if ".jsonl" in p.name.lower() else
+               f"a JSON file holds a list of rows, `[{row}, ...]` (or use JSON Lines: one such object per line)")
+        return f"it holds an empty JSON object (`{{}}`), not rows: {how}"
+    return "it is an empty JSON list (`[]`)" if lines[0] == "[]" else ""
 
 
 def _utf16(p: Path) -> bool:
@@ -141,6 +148,28 @@ def cache_dirs() -> list[str]:
 
 
 def open_dataset(path: str, *, task_name: str = "dataset", subset: str = "", split: str = "train") -> OpenedDataset:
+    _datasets()  # imported first: its import sets its logger's level
+    with _library_log_quiet():
+        return _open_dataset(path, task_name=task_name, subset=subset, split=split)
+
+
+@contextmanager
+def _library_log_quiet():
+    """`datasets` logs a file it cannot parse ("Failed to load JSON from file ... ArrowInvalid ...",
+    "Failed to read schema from ...") on stderr, then raises; rl's error from what it raised says the
+    same, with the fix. Its log is silenced while it opens the data, and put back as it was."""
+    import logging
+
+    lib = logging.getLogger("datasets")
+    level = lib.level
+    lib.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        lib.setLevel(level)
+
+
+def _open_dataset(path: str, *, task_name: str, subset: str, split: str) -> OpenedDataset:
     datasets = _datasets()
     p = Path(os.path.expanduser(path))
     from engine.user_paths import file_kind, shown, stat_path

@@ -87,7 +87,9 @@ def eval_config(overrides: list[str], saved: Optional[dict] = None) -> RunConfig
     from engine.config.interpolation import env_references
 
     refs = env_references(OmegaConf.to_container(base, resolve=False))  # type: ignore[arg-type]
-    cfg = build_run_config(resolve_container(base), env_refs=refs)  # errors name `${oc.env:X}`, never its value
+    # trains=False: the trainer's token budget (engine.max_tokens_per_micro_batch) does not apply to an
+    # evaluation; prompt + rollout.max_new_tokens is checked against the model's positions (run.py _check_fits)
+    cfg = build_run_config(resolve_container(base), env_refs=refs, trains=False)  # errors name `${oc.env:X}`, never its value
     check_task_keys(cfg, overrides)
     check_eval_keys(cfg)
     return cfg

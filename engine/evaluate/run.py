@@ -48,9 +48,7 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     if e.max_prompts:
         examples = examples[:e.max_prompts]
     if not examples:
-        raise ConfigError(f"The task's {e.split} split has no prompts (task.num_val={cfg.task.num_val}). Evaluate "
-                          f"on the train split (eval.split=train), or hold prompts out (task.num_val=64).",
-                          title="no prompts")
+        raise ConfigError(_no_prompts(cfg, task), title="no prompts")
     tok = HFTokenizer(src.model_dir)
     enc = encode_split(tok, examples, split=e.split, max_len=cfg.data.max_prompt_length,
                        filter_overlong=cfg.data.filter_overlong_prompts, chat_template=cfg.task.chat_template)
@@ -63,7 +61,7 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
     agent = agent_setup(cfg, tok, task.tools, task.environment)  # multi-turn with tools: the loop rl train runs
     if agent is not None:
         prompts = agent.encode_prompts(examples, prompts)
-    _check_fits(src.model_dir, tok, prompts, cfg.rollout.max_new_tokens)
+    _check_fits(src, tok, prompts, cfg.rollout.max_new_tokens)
     from engine.reward_model.build import scorers_for
 
     runner = make_runner(task, cfg.task, scorers_for(cfg, tok))  # a reward model scores in this process
@@ -117,17 +115,45 @@ def _evaluate(cfg, src, say, t0: float) -> EvalResult:
         reward=runner.describe())
 
 
-def _check_fits(model_dir: str, tok, prompts: list[list[int]], max_new_tokens: int) -> None:
+def _no_prompts(cfg, task) -> str:
+    """Why the split eval.split names is empty, and what fills it."""
+    split, num_val, t = cfg.eval.split, cfg.task.num_val, cfg.task
+    if split != "held-out":
+        return f"The task's {split} split has no prompts. Evaluate the held-out split (eval.split=held-out)."
+    if num_val == 0:
+        return ("The task holds no prompts out: task.num_val=0. Hold some out (task.num_val=64), or evaluate on "
+                "the train split (eval.split=train).")
+    info = task.data_info or {}
+    if info.get("val_split"):
+        return (f"The dataset's held-out split task.val_split={info['val_split']} has no rows. Point "
+                f"task.val_split at a split with rows, or evaluate on the train split (eval.split=train).")
+    if info.get("rows"):  # a dataset task without task.val_split: its held-out rows come from the train split
+        rows = info["rows"]["train"] + info["rows"]["val"]
+        return (f"The dataset holds no prompts out: it has {rows} row{'s' if rows != 1 else ''}, and without "
+                f"task.val_split the held-out prompts are a fifth of the train split's rows at most (min("
+                f"task.num_val={num_val}, rows // 5)), so data of fewer than 5 rows holds none out. Name a held-out "
+                f"split with task.val_split, use data of at least 5 rows, or evaluate on the train split "
+                f"(eval.split=train).")
+    return (f"The task's held-out split has no prompts (task.num_val={num_val}). Evaluate on the train split "
+            f"(eval.split=train).")
+
+
+def _check_fits(src, tok, prompts: list[list[int]], max_new_tokens: int) -> None:
     from engine.model.source import check_vocab, context_length
 
+    model_dir = src.model_dir
     check_vocab(model_dir, tok, prompts)
     limit, key = context_length(model_dir)
     longest = max(len(p) for p in prompts)
     if limit and longest + max_new_tokens > limit:
+        if src.kind == "checkpoint":  # model_dir is this eval's temporary export: name the checkpoint's model
+            key = key.replace(f"{model_dir}/config.json", f"the model's (in {src.step_dir})")
+        room = limit - max_new_tokens  # the longest prompt that fits these responses
+        drop = (f", or drop long prompts with data.max_prompt_length={room} data.filter_overlong_prompts=true"
+                if room > 0 else "")
         raise ConfigError(f"prompt ({longest} tokens) + rollout.max_new_tokens ({max_new_tokens}) exceeds {key} "
-                          f"({limit}): the model has no positions past {limit}. Lower rollout.max_new_tokens (at most "
-                          f"{max(limit - longest, 1)}), or drop long prompts with data.max_prompt_length="
-                          f"{max(limit - max_new_tokens, 1)} data.filter_overlong_prompts=true.",
+                          f"({limit}): the model has no positions past {limit}, and `rl eval` evaluates it as it "
+                          f"is. Lower rollout.max_new_tokens (at most {max(limit - longest, 1)}){drop}.",
                           title="prompt too long")
 
 

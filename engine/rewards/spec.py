@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import stat
 import sys
 import traceback
 from dataclasses import dataclass
@@ -55,14 +56,42 @@ def target_of(spec: str, key: str) -> str:
                           title="invalid config value")
     module = spec.rsplit(":", 1)[0]
     if is_file_module(module):  # a file path (verl's custom_reward_function.path)
+        from engine.user_paths import file_kind, shown, stat_path
+
         file = Path(os.path.expanduser(module))
-        if not file.is_file():
-            raise ConfigError(f"`{key}={spec}` names the file {file}, which does not exist"
-                              f"{' (from ' + os.getcwd() + ')' if not file.is_absolute() else ''}. Give the path of a "
-                              f"Python file and the function in it (`path/to/rewards.py:score`), or an importable "
-                              f"`module:function`.", title="invalid config value")
+        fix = ("Give the path of a Python file and the function in it (`path/to/rewards.py:score`), or an "
+               "importable `module:function`.")
+        where = f" (from {os.getcwd()})" if not file.is_absolute() else ""
+        st = stat_path(file, f"`{key}={spec}`: the file {shown(file)}", error=ConfigError,
+                       title="invalid config value")
+        if st is None:
+            raise ConfigError(f"`{key}={spec}` names the file {shown(file)}, which does not exist{where}. {fix}",
+                              title="invalid config value")
+        if not stat.S_ISREG(st.st_mode):
+            fn = spec.rsplit(":", 1)[1]
+            inside = _python_files(file, fn) if stat.S_ISDIR(st.st_mode) else []
+            hint = (f" It holds {', '.join(inside)}: e.g. `{key}={module.rstrip('/')}/{inside[0]}:{fn}`."
+                    if inside else "")
+            raise ConfigError(f"`{key}={spec}` names {shown(file)}{where}, which is {file_kind(st)}, not a Python "
+                              f"file.{hint} {fix}", title="invalid config value")
         return f"{file.resolve()}:{spec.rsplit(':', 1)[1]}"
     return spec
+
+
+def _python_files(folder: Path, fn: str) -> list[str]:
+    """Up to 3 .py files in ``folder``, one that defines ``fn`` first (for a message)."""
+    try:
+        names = sorted(p.name for p in folder.glob("*.py"))[:20]
+    except OSError:
+        return []
+
+    def defines(name: str) -> bool:
+        try:
+            return f"def {fn.split('.')[0]}(" in (folder / name).read_text(errors="replace")[:1_000_000]
+        except OSError:
+            return False
+
+    return sorted(names, key=lambda n: not defines(n))[:3]
 
 
 def is_file_module(module: str) -> bool:

@@ -9,7 +9,8 @@ Checks, in order (a check whose input failed is skipped, never reported twice):
   extras          packages the chosen engine and rollout need (`pip install 'rl[megatron]'`)
   device          trainer.device=cuda needs CUDA, engine.fp8 an FP8-capable GPU
   reward function a prompt-file/dataset task's reward function imports and takes
-                  (prompt, response, answer); a built-in task refuses task.reward_fn (it would be ignored)
+                  (prompt, response, answer); a built-in task refuses task.reward_fn(s) and
+                  task.reward_weights (they would be ignored)
   model and task  the model path/preset resolves, its tokenizer loads, the prompts encode and fit
   run directory   not held by another run, not an existing run (unless overwrite/resume),
                   writable (probed with a temporary directory, removed again), free space for one
@@ -140,13 +141,22 @@ def check_reward(cfg: RunConfig, resume: bool) -> str:
     from engine.config.schema import BUILTIN_TASKS  # they score with their own rule: reward_fn does not apply
 
     t = cfg.task
-    named = [x for x in [t.reward_fn, *list(t.reward_fns or []), t.correct_fn] if x]
+    named = [(k, x) for k, x in [("task.reward_fn", t.reward_fn), *(("task.reward_fns", x) for x in t.reward_fns or []),
+                                 ("task.correct_fn", t.correct_fn)] if x]
     if t.name in BUILTIN_TASKS:
         if named and not resume:
-            raise ConfigError(f"`task.reward_fn={named[0]}` does not apply to the built-in task `task={t.name}`, "
+            key, fn = named[0]
+            raise ConfigError(f"`{key}={fn}` does not apply to the built-in task `task={t.name}`, "
                               f"which scores responses with its own rule; it would be silently ignored. Drop "
                               f"it, or train on your own prompts with it (task=dataset task.path=prompts.jsonl "
-                              f"task.reward_fn={named[0]}).", title="invalid config")
+                              f"task.reward_fn={fn}).", title="invalid config")
+        if t.reward_weights and not resume:  # they weight task.reward_fns, which a built-in task has none of
+            weights = "[" + ",".join(str(w) for w in t.reward_weights) + "]"
+            raise ConfigError(f"`task.reward_weights={weights}` does not apply to the built-in task `task={t.name}`, "
+                              f"which scores responses with its one rule (no task.reward_fns to weight); it would be "
+                              f"silently ignored. Drop it, or weight your own reward functions on your own prompts "
+                              f"(task=dataset task.path=prompts.jsonl 'task.reward_fns=[mod:fmt,mod:acc]' "
+                              f"'task.reward_weights={weights}').", title="invalid config")
         return f"built-in rule of task={t.name}"
     from engine.rewards.spec import user_reward_specs
 

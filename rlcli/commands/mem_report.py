@@ -38,6 +38,25 @@ def _is_run_path(arg: str) -> bool:
     return "=" not in arg or Path(arg).expanduser().exists()
 
 
+def _extra_after_run(args: list[str], engine: Optional[str]) -> str:
+    """What to do instead of `rl mem-report RUN EXTRA...`: a second run is reported in its own
+    command; overrides or --engine belong to an estimate (which takes no run directory)."""
+    from shlex import quote as shell_quote
+
+    runs = [a for a in args[1:] if "=" not in a]
+    changes = [a for a in args[1:] if "=" in a] + ([f"--engine {engine}"] if engine else [])
+    if runs and not changes:
+        each = "; ".join(f"`rl mem-report {shell_quote(a)}`" for a in args)
+        return (f"`rl mem-report` reports one run directory at a time, and got {len(args)}: "
+                f"{', '.join(shell_quote(a) for a in args)}. Report each in its own command: {each}.")
+    extra = " ".join(runs + changes)
+    fix = (f"To estimate a changed config instead: `rl mem-report --estimate {' '.join(changes)}` (the "
+           f"default config with these changes; add the run's own overrides to estimate it).")
+    if runs:
+        fix += f" Another run is reported in its own command: `rl mem-report {shell_quote(runs[0])}`."
+    return f"`{extra}`: a run directory is reported as it ran, so it takes no overrides or --engine. {fix}"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("mem-report", epilog=EPILOG, rich_help_panel="Inspect")
     def mem_report(
@@ -81,9 +100,7 @@ def register(app: typer.Typer) -> None:
             rep = call_engine(measure.estimate_only, args, engine=engine, device_memory=device_memory)
         elif args and _is_run_path(args[0]):
             if len(args) > 1 or engine:
-                extra = " ".join(args[1:] + ([f"--engine {engine}"] if engine else []))
-                fail(f"`{extra}`: a run directory is reported as it ran, so it takes no overrides or --engine. "
-                     f"To estimate a changed config: `rl mem-report --estimate {extra}`.", title="invalid arguments")
+                fail(_extra_after_run(args, engine), title="invalid arguments")
             rep = call_engine(measure.report_from_run, args[0], device_memory=device_memory)
         else:
             call_engine(measure.check_one_step, args, engine=engine, device_memory=device_memory)  # fail early

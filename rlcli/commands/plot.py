@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
             show_default=False)] = None,
         list_metrics: Annotated[bool, typer.Option(
             "--list", help="List the metrics the runs hold instead of plotting.", rich_help_panel="Plot")] = False,
-        width: Annotated[int, typer.Option("--width", help="Terminal chart width (columns); 0 = the terminal's.",
+        width: Annotated[int, typer.Option("--width", help="Terminal chart width (columns, at least 20); 0 = the terminal's.",
                                            rich_help_panel="Plot", min=0)] = 0,
         height: Annotated[int, typer.Option("--height", help="Terminal chart height (rows).",
                                             rich_help_panel="Plot", min=5)] = 18,
@@ -56,7 +56,8 @@ def register(app: typer.Typer) -> None:
         """Draw a metric of one or several runs (terminal chart, or a PNG with --png)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, json_errors, print_json, stdout_console
+        from rlcli.output import call_engine, fail, json_errors, print_json, stdout_console
+        from rlcli.render.plot import MIN_WIDTH
 
         from engine.tracking.series import available_metrics, load_series
         json_errors(json_out)
@@ -73,6 +74,10 @@ def register(app: typer.Typer) -> None:
                 for r, names in found.items():  # paths and names as they are, never read as markup (`runs/[a]`)
                     console.print(f"[bold]{escape(r)}[/]: {escape(', '.join(names))}")
             return
+        if 0 < width < MIN_WIDTH and not json_out:  # before any reading: the chart would be empty or unreadable
+            fail(f"--width {width} is too narrow for a chart: its axes and tick labels alone take up to 9 columns. "
+                 f"Give --width {MIN_WIDTH} or more, or 0 (the default) for the terminal's width.",
+                 title="invalid option")
         if png:  # before any reading: a typo must never replace a user's file (metrics.jsonl) or a device
             from engine.user_paths import PNG_MAGIC, check_output_file
 

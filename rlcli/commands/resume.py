@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
         """Continue a run exactly where its checkpoint left off (model, optimizer, LR schedule, RNG, data)."""
         from pathlib import Path
 
-        from rlcli.output import call_engine, json_errors, print_json, stderr_console, stdout_console
+        from rlcli.output import call_engine, json_errors, print_json_or_error, stderr_console, stdout_console
         from rlcli.render.resume import resume_table
         from rlcli.run_render import run_and_render
 
@@ -77,8 +77,9 @@ def register(app: typer.Typer) -> None:
 
             report = call_engine(preflight, plan.config, run_dir=Path(plan.run_dir), resume=plan)
             report.close()
-        if json_out and dry_run:
-            print_json(plan.to_json() | {"preflight": report.to_json()})
+        if json_out and dry_run:  # refused: the plan with the refusal under "error" (then the panel, exit 2)
+            print_json_or_error(plan.to_json() | {"preflight": report.to_json()}, plan.raise_if_refused,
+                                report.raise_if_failed)
         else:
             (err_console if json_out else console).print(resume_table(plan))
             if report is not None:

@@ -10,6 +10,11 @@ import tempfile
 from pathlib import Path
 
 EXTRA = "pip install 'rl[tracking]'"
+# The narrowest terminal chart worth drawing: plotext's frame takes up to 9 columns (y tick labels of up
+# to 7, such as -1.2e-7, and the two borders), which leaves 11 or more for the line and the x ticks. At
+# 6 columns or fewer the frame alone fills the width and the chart is empty; below 20 some metrics'
+# charts lose their x ticks or their title.
+MIN_WIDTH = 20
 
 
 def _need(module: str):
