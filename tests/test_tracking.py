@@ -83,6 +83,12 @@ def test_truncated_fraction_counts_responses_cut_at_max_new_tokens():
     assert truncated_fraction(b, max_new_tokens=5, ends=[eos]) == 0.0
     # a model with another end token (Gemma's <end_of_turn>): row 0 ending with it was not cut
     assert truncated_fraction(b, max_new_tokens=4, ends=[eos, 6]) == pytest.approx(0.25)  # row 3
+    # multi-turn: two model turns of 3 and 2 tokens with the environment's tokens between them
+    # (mask 0): 5 model tokens, but no turn reached a limit of 4
+    turns = _batch([[3, 4, 5, 7, 7, 3, 4]], eos=eos)
+    turns.response_mask[0, turns.prompt_lengths[0] + 3:turns.prompt_lengths[0] + 5] = 0
+    assert truncated_fraction(turns, max_new_tokens=4, ends=[eos]) == 0.0
+    assert truncated_fraction(turns, max_new_tokens=2, ends=[eos]) == 1.0  # its last turn is 2 long, no end
 
 
 def test_policy_loss_reports_clip_fraction_and_rollout_kl():

@@ -115,14 +115,22 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: i
     return -factor * (over / buffer_len).clamp(max=1.0)
 
 
-def longest_turn(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] -> [B]: each row's longest run of consecutive response tokens. A single-turn row has
-    one run, its response length; a multi-turn row has one per model turn (the environment's
-    tokens between them have mask 0), each sampled under rollout.max_new_tokens on its own."""
+def turn_runs(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, T]: at each response token, how many response tokens in a row end there (0
+    off the mask). A single-turn row has one run, its response; a multi-turn row one per model turn
+    (the environment's tokens between them have mask 0), each sampled under
+    rollout.max_new_tokens on its own."""
     on = mask > 0
     idx = torch.arange(mask.shape[1]).expand(mask.shape[0], -1)
     last_off = torch.cummax(torch.where(on, -1, idx), dim=1).values  # the latest position off the mask
-    return ((idx - last_off) * on).max(dim=1).values.float()
+    return (idx - last_off) * on
+
+
+def longest_turn(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B]: each row's longest model turn (its response length, single-turn)."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0])
+    return turn_runs(mask).max(dim=1).values.float()
 
 
 @dataclass

@@ -562,14 +562,17 @@ def _merge_gen_stats(calls: list[list[dict]]) -> list[dict]:
 
 
 def truncated_fraction(batch: SequenceBatch, max_new_tokens: int, ends: list[int]) -> float:
-    """Fraction of responses cut at max_new_tokens: that long, and not ending with one of the
+    """Fraction of responses cut at max_new_tokens: a last model turn that long (the response,
+    single-turn; each turn is sampled under the limit on its own), not ending with one of the
     model's end tokens ``ends``."""
     import torch
 
+    from engine.algorithms.estimators import turn_runs
+
     mask = batch.response_mask
-    lengths = mask.sum(-1)
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = (positions * (mask > 0)).argmax(-1, keepdim=True)
+    lengths = turn_runs(mask).gather(1, last).squeeze(1)
     last_token = batch.input_ids.gather(1, last).squeeze(1)
     cut = (lengths >= max_new_tokens) & ~torch.isin(last_token, torch.tensor(list(ends)))
     return float(cut.float().mean()) if len(lengths) else 0.0
