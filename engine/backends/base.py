@@ -387,8 +387,9 @@ class TrainEngine(ABC):
     def checkpoint_state(self, for_save: bool = False) -> dict:
         """DCP-saveable state: {"model": ..., "optim": ...} (sharded tensors/DTensors). As the
         template a checkpoint loads into (``for_save`` false), a fresh optimizer has entries for
-        every parameter; for a save (``for_save``), an optimizer that has not stepped yet has none
-        and keeps none (engine/checkpoint/fresh_optimizer.py)."""
+        every parameter; for a save (``for_save``), an optimizer that has not stepped yet is left
+        as it was and saved as fresh (FSDP: step 0, zero moments; megatron: without its entries,
+        which resume backfills): engine/checkpoint/fresh_optimizer.py."""
 
     @abstractmethod
     def load_checkpoint_state(self, state: dict) -> None:

@@ -457,6 +457,7 @@ class WorkerGroup:
                 pass
         if killed or local_raylet_gone(ray):
             return
+
         def release() -> None:
             for a in self.actors:
                 try:
